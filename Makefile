@@ -1,0 +1,27 @@
+# Quickstart: `make demo` and `make test`. Both set up a local .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.flarepp-installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# Re-run only when the package metadata changes; an editable install picks up source edits.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet $(TORCH_CPU)
+	$(PIP) install --quiet -e ".[test,mesh]"
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m flarepp demo
+
+test: setup
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

@@ -1,0 +1,162 @@
+"""FLARE, FLARE++, simplified FLARE++ and FLARE++ v1 (paper Table 2, Appendix A).
+
+Per head h, with X the (pre-normed) block input, every projection a plain linear map
+initialised near the identity (A.5), and N_a / N_0 per-head norms over D with / without a
+learned scale:
+
+* FLARE: ``K = X W_K``, ``V = X W_V``, learned ``Q_f``; ``Z = SDPA(Q_f, K, V)``,
+  ``Y = SDPA(K, Q_f, Z)``, output ``Y W_O``. Parameters ``3C^2 + MC``.
+* FLARE++ (v2, the default): synthesis keys ``K~ = N_0(X W~_K)`` shared as synthesis
+  values; ``Q_d = SDPA(N_a(Q~), K~, K~)``; routing query
+  ``Q = N_0(Q_f) + sigmoid(gamma_h) Q_d`` summed in FP32, ``gamma_h`` initialised at 0.25;
+  routing keys ``K = N_a(X W_K)``; then FLARE's encode/decode with Q. ``4C^2 + 2MC + H``.
+* Simplified FLARE++ (A.8): ``Q = SDPA(N_a(Q~), N_a(X W~_K), X W~_V)``; no fixed query,
+  no gate, no routing-key norm. ``5C^2 + MC``.
+* FLARE++ v1 (paper v1, Sec. 3): as simplified but without any norm.
+
+The induced token-to-token routing matrix ``softmax_M(s K Q^T) softmax_N(s Q K^T)`` has
+rank at most M per head; it is never formed: three (FLARE: two) fused SDPA calls apply it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flarepp.mixers.base import (Mixer, MixerConfig, check_tokens, init_latents,
+                                 near_identity_linear)
+from flarepp.mixers.registry import MIXERS
+from flarepp.ops import HeadNorm
+
+
+@MIXERS.register("flare", doc="FLARE: fixed learned routing queries (Table 2, column FLARE)")
+class FLARE(Mixer):
+    """Fixed-query low-rank attention: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``."""
+
+    def __init__(self, config: MixerConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim))  # Q_f [H, M, D]
+        self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
+        self.out_proj = near_identity_linear(c.dim)                          # W_O
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        keys, values = self.split_projections(self.key_value_proj(x), 2)
+        queries = self.latents_for(self.fixed_queries, x.shape[0])
+        s = self.config.attn_scale
+        latents = self.backend.encode(queries, keys, values, mask, scale=s)     # Z [B,H,M,D]
+        y = self.backend.decode(keys, queries, latents, mask, scale=s)          # [B,H,N,D]
+        return self.out_proj(self.merge_heads(y))
+
+
+@dataclass(kw_only=True)
+class FLAREPPConfig(MixerConfig):
+    """FLARE++ settings beyond the shared ones: the gate logits' initial value (A.4)."""
+
+    gate_logit_init: float = 0.25
+
+
+@MIXERS.register("flarepp", doc="FLARE++: attention-synthesized routing queries (Table 2)")
+class FLAREPP(FLARE):
+    """FLARE++ (paper v2): routing queries synthesized from the input by one extra encode.
+
+    ``Q_h(X) = N_0(Q_f,h) + sigmoid(gamma_h) SDPA(N_a(Q~_h), K~_h, K~_h)`` with
+    ``K~_h = N_0(X W~_K,h)`` (A.1, A.3, A.4, A.6); the gated sum is accumulated in FP32
+    even under autocast, then used in FLARE's encode and decode with ``K_h = N_a(X W_K,h)``.
+    """
+
+    config_cls = FLAREPPConfig
+
+    def __init__(self, config: FLAREPPConfig) -> None:
+        Mixer.__init__(self, config)
+        c = config
+        self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))  # Q~ [H, M, D]
+        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim))    # Q_f [H, M, D]
+        self.gate_logit = nn.Parameter(torch.full((c.heads,), float(c.gate_logit_init)))
+        # One GEMM for the synthesis keys, routing keys and values: [W~_K | W_K | W_V].
+        self.key_value_proj = near_identity_linear(c.dim, 3)
+        self.out_proj = near_identity_linear(c.dim)
+        self.seed_norm = HeadNorm(c.norm, c.head_dim, affine=True)            # N_a
+        self.synthesis_key_norm = HeadNorm(c.norm, c.head_dim, affine=False)  # N_0
+        self.fixed_query_norm = HeadNorm(c.norm, c.head_dim, affine=False)    # N_0
+        self.routing_key_norm = HeadNorm(c.norm, c.head_dim, affine=True)     # N_a
+
+    def routing_queries(self, synthesis_keys: torch.Tensor, mask: torch.Tensor | None,
+                        batch: int) -> torch.Tensor:
+        """``Q = N_0(Q_f) + sigmoid(gamma) Q_d`` in FP32, returned in the compute dtype."""
+        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, batch))
+        synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
+                                          scale=self.config.attn_scale)           # Q_d
+        fixed = self.fixed_query_norm(self.fixed_queries)                          # [H, M, D]
+        gate = torch.sigmoid(self.gate_logit.float()).view(1, -1, 1, 1)
+        queries = fixed.float().unsqueeze(0) + gate * synthesized.float()
+        return queries.to(synthesized.dtype)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        synthesis_keys, keys, values = self.split_projections(self.key_value_proj(x), 3)
+        synthesis_keys = self.synthesis_key_norm(synthesis_keys)
+        keys = self.routing_key_norm(keys)
+        queries = self.routing_queries(synthesis_keys, mask, x.shape[0])
+        s = self.config.attn_scale
+        latents = self.backend.encode(queries, keys, values, mask, scale=s)
+        y = self.backend.decode(keys, queries, latents, mask, scale=s)
+        return self.out_proj(self.merge_heads(y))
+
+
+@dataclass(kw_only=True)
+class SynthesizedQueryConfig(MixerConfig):
+    """``normalize_synthesis``: N_a on the seeds and synthesis keys (A.8) or no norm (v1)."""
+
+    normalize_synthesis: bool = True
+
+
+class SynthesizedQueryFLARE(FLARE):
+    """Routing queries are the synthesized ones alone, with separate synthesis K and V.
+
+    ``Q_h(X) = SDPA(N(Q~_h), N(X W~_K,h), X W~_V,h)``, where N is N_a for simplified
+    FLARE++ (A.8) and the identity for FLARE++ v1; routing keys and values are FLARE's.
+    """
+
+    config_cls = SynthesizedQueryConfig
+
+    def __init__(self, config: SynthesizedQueryConfig) -> None:
+        Mixer.__init__(self, config)
+        c = config
+        self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))
+        # [W~_K | W~_V | W_K | W_V] in one GEMM.
+        self.key_value_proj = near_identity_linear(c.dim, 4)
+        self.out_proj = near_identity_linear(c.dim)
+        if c.normalize_synthesis:
+            self.seed_norm = HeadNorm(c.norm, c.head_dim, affine=True)
+            self.synthesis_key_norm = HeadNorm(c.norm, c.head_dim, affine=True)
+        else:
+            self.seed_norm = nn.Identity()
+            self.synthesis_key_norm = nn.Identity()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        synthesis_keys, synthesis_values, keys, values = self.split_projections(
+            self.key_value_proj(x), 4)
+        s = self.config.attn_scale
+        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, x.shape[0]))
+        queries = self.backend.encode(seeds, self.synthesis_key_norm(synthesis_keys),
+                                      synthesis_values, mask, scale=s)
+        latents = self.backend.encode(queries, keys, values, mask, scale=s)
+        y = self.backend.decode(keys, queries, latents, mask, scale=s)
+        return self.out_proj(self.merge_heads(y))
+
+
+MIXERS.add("flarepp-simple", SynthesizedQueryFLARE, defaults={"normalize_synthesis": True},
+           doc="simplified FLARE++ (A.8): synthesized queries only, N_a on seeds and keys")
+MIXERS.add("flarepp-v1", SynthesizedQueryFLARE, defaults={"normalize_synthesis": False},
+           doc="FLARE++ v1: separate synthesis keys and values, no norms, no gate")

@@ -1,0 +1,50 @@
+"""Complete models, registered by architecture name in :data:`MODELS`.
+
+``build_model(arch="surrogate", mixer="flarepp", in_dim=2, out_dim=1, ...)`` builds the
+shared residual backbone around a mixer; other architectures register their own config
+class and builder. ``model_from_config(model.config.to_dict())`` rebuilds any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from flarepp.models.backbone import SurrogateConfig, SurrogateModel
+from flarepp.registry import Registry
+
+MODELS: Registry = Registry("model")
+MODELS.add("surrogate", SurrogateModel,
+           doc="shared residual backbone of Table 7 around a registered mixer")
+
+
+def list_models() -> list[str]:
+    return MODELS.names()
+
+
+def _config_cls(model_cls: type) -> type:
+    return getattr(model_cls, "config_cls", SurrogateConfig)
+
+
+def build_model(arch: str = "surrogate", **kwargs: Any) -> nn.Module:
+    """Build a registered architecture from keyword settings (see its config class)."""
+    entry = MODELS.entry(arch)
+    cls = _config_cls(entry.obj)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise TypeError(f"model {arch!r} takes no option(s) {unknown}; "
+                        f"its options are {sorted(fields)}")
+    return entry.obj(cls(**{**entry.defaults, **kwargs}))
+
+
+def model_from_config(config: dict[str, Any]) -> nn.Module:
+    """Rebuild a model from ``model.config.to_dict()`` (as stored in checkpoints)."""
+    config = dict(config)
+    return build_model(config.pop("arch", "surrogate"), **config)
+
+
+__all__ = ["MODELS", "SurrogateConfig", "SurrogateModel", "build_model", "list_models",
+           "model_from_config"]

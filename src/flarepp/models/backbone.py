@@ -1,0 +1,140 @@
+"""The shared residual surrogate backbone (paper Table 7; FLARE study's input/output MLPs).
+
+``x [B, N, in] -> in_proj -> B x [x + mixer(norm(x)); x + FFN(norm(x))] -> norm -> out_proj``
+
+* ``in_proj``: residual MLP ``in -> C`` with ``io_layers`` hidden residual ``C x C`` layers;
+* ``out_proj``: a norm, then a residual MLP ``C -> out`` with ``io_layers`` hidden layers;
+* FFN: ``Linear(C, rC) -> GELU -> Linear(rC, C)`` with ``r = ffn_ratio = 2.0``;
+* norms: LayerNorm for FP32 runs, RMSNorm for mixed precision (C.2).
+
+GELU is the tanh approximation and plain linears start at ``N(0, 0.02^2)`` with zero bias,
+as in the reference implementation; mixer projections keep their near-identity init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from flarepp.mixers import Mixer, build_mixer
+from flarepp.mixers.base import check_tokens
+from flarepp.ops import make_norm
+
+
+class ResidualMLP(nn.Module):
+    """``fc_in -> GELU``, ``hidden_layers`` x ``(h + GELU(fc(h)))``, ``fc_out``.
+
+    ``input_residual`` adds the input to the first layer's output (needs ``in == hidden``);
+    ``output_residual`` adds the last hidden state to ``fc_out``'s output (``hidden == out``).
+    """
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, hidden_layers: int, *,
+                 input_residual: bool = False, output_residual: bool = False) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(in_dim, hidden_dim)
+        self.hidden = nn.ModuleList(nn.Linear(hidden_dim, hidden_dim)
+                                    for _ in range(hidden_layers))
+        self.fc_out = nn.Linear(hidden_dim, out_dim)
+        self.act = nn.GELU(approximate="tanh")
+        self.input_residual = input_residual and in_dim == hidden_dim
+        self.output_residual = output_residual and hidden_dim == out_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc_in(x))
+        if self.input_residual:
+            h = x + h
+        for layer in self.hidden:
+            h = h + self.act(layer(h))
+        out = self.fc_out(h)
+        return h + out if self.output_residual else out
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + FFN(norm(x))``."""
+
+    def __init__(self, mixer: Mixer, dim: int, norm: str, ffn_ratio: float) -> None:
+        super().__init__()
+        hidden = int(dim * ffn_ratio)
+        self.mixer_norm = make_norm(norm, dim)
+        self.mixer = mixer
+        self.ffn_norm = make_norm(norm, dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), mask=mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+@dataclass(kw_only=True)
+class SurrogateConfig:
+    """Backbone settings; defaults are the paper's (Tables 7-8, Elasticity)."""
+
+    in_dim: int
+    out_dim: int
+    mixer: str = "flarepp"
+    dim: int = 128
+    heads: int = 8
+    blocks: int = 8
+    latents: int = 64
+    norm: str = "layernorm"
+    ffn_ratio: float = 2.0
+    io_layers: int = 2
+    attn_scale: float | None = None
+    mixer_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": "surrogate", **asdict(self)}
+
+
+def init_backbone_weights(module: nn.Module) -> None:
+    """Reference-implementation init for plain linears and norms."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and not getattr(m, "_flarepp_custom_init", False):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            if m.weight is not None:
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+class SurrogateModel(nn.Module):
+    """Residual surrogate ``[B, N, in_dim] -> [B, N, out_dim]`` around one mixer type."""
+
+    config_cls = SurrogateConfig
+
+    def __init__(self, config: SurrogateConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
+        self.blocks = nn.ModuleList(
+            Block(build_mixer(c.mixer, dim=c.dim, heads=c.heads, latents=c.latents,
+                              norm=c.norm, attn_scale=c.attn_scale, **c.mixer_options),
+                  c.dim, c.norm, c.ffn_ratio)
+            for _ in range(c.blocks))
+        self.out_norm = make_norm(c.norm, c.dim)
+        self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
+        init_backbone_weights(self)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.in_dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        h = self.in_proj(x)
+        for block in self.blocks:
+            h = block(h, mask)
+        y = self.out_proj(self.out_norm(h))
+        if mask is not None:
+            y = y.masked_fill(~mask[..., None], 0.0)
+        return y
