@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flarepp.mixers.base import Mixer, MixerConfig, check_tokens
+from flarepp.mixers.base import Mixer, MixerConfig, check_tokens, zero_masked
 from flarepp.mixers.registry import MIXERS
 
 
@@ -29,4 +29,4 @@ class SelfAttention(Mixer):
             x = x.masked_fill(~mask[..., None], 0.0)
         q, k, v = self.split_projections(self.qkv_proj(x), 3)
         y = self.backend.self_attention(q, k, v, mask, scale=self.config.attn_scale)
-        return self.out_proj(self.merge_heads(y))
+        return zero_masked(self.out_proj(self.merge_heads(y)), mask)

@@ -100,6 +100,11 @@ def check_tokens(x: torch.Tensor, mask: torch.Tensor | None, width: int, *,
                          f"got {list(mask.shape)}")
 
 
+def zero_masked(y_BNC: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Outputs at masked tokens are exactly zero (output biases would leak otherwise)."""
+    return y_BNC if mask is None else y_BNC.masked_fill(~mask[..., None], 0.0)
+
+
 def near_identity_linear(dim: int, copies: int = 1, *, bias: bool = True,
                          std: float = 0.02) -> nn.Linear:
     """``copies`` stacked ``C x C`` projections, each ``W = I + dW`` (paper A.5).

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from flarepp.mixers.base import (Mixer, MixerConfig, check_tokens, init_latents,
-                                 near_identity_linear)
+                                 near_identity_linear, zero_masked)
 from flarepp.mixers.registry import MIXERS
 from flarepp.ops import HeadNorm
 
@@ -51,7 +51,7 @@ class FLARE(Mixer):
         s = self.config.attn_scale
         latents = self.backend.encode(queries, keys, values, mask, scale=s)     # Z [B,H,M,D]
         y = self.backend.decode(keys, queries, latents, mask, scale=s)          # [B,H,N,D]
-        return self.out_proj(self.merge_heads(y))
+        return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 
 
 @dataclass(kw_only=True)
@@ -93,8 +93,9 @@ class FLAREPP(FLARE):
         synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
                                           scale=self.config.attn_scale)           # Q_d
         fixed = self.fixed_query_norm(self.fixed_queries)                          # [H, M, D]
-        gate = torch.sigmoid(self.gate_logit.float()).view(1, -1, 1, 1)
-        queries = fixed.float().unsqueeze(0) + gate * synthesized.float()
+        acc = torch.promote_types(self.gate_logit.dtype, torch.float32)  # FP32 or wider
+        gate = torch.sigmoid(self.gate_logit.to(acc)).view(1, -1, 1, 1)
+        queries = fixed.to(acc).unsqueeze(0) + gate * synthesized.to(acc)
         return queries.to(synthesized.dtype)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,7 +109,7 @@ class FLAREPP(FLARE):
         s = self.config.attn_scale
         latents = self.backend.encode(queries, keys, values, mask, scale=s)
         y = self.backend.decode(keys, queries, latents, mask, scale=s)
-        return self.out_proj(self.merge_heads(y))
+        return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 
 
 @dataclass(kw_only=True)
@@ -153,7 +154,7 @@ class SynthesizedQueryFLARE(FLARE):
                                       synthesis_values, mask, scale=s)
         latents = self.backend.encode(queries, keys, values, mask, scale=s)
         y = self.backend.decode(keys, queries, latents, mask, scale=s)
-        return self.out_proj(self.merge_heads(y))
+        return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 
 
 MIXERS.add("flarepp-simple", SynthesizedQueryFLARE, defaults={"normalize_synthesis": True},

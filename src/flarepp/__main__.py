@@ -1,0 +1,5 @@
+import sys
+
+from flarepp.cli import main
+
+sys.exit(main())

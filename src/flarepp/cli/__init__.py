@@ -1,0 +1,39 @@
+"""The ``flarepp`` command line: a thin layer over library functions.
+
+Each module of this package that defines ``register(subparsers)`` adds one subcommand;
+the handler it sets with ``set_defaults(func=...)`` returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+
+class CLIError(Exception):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flarepp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "register"):
+            module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, ValueError, FileNotFoundError, KeyError) as err:
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"flarepp {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["CLIError", "build_parser", "main"]
