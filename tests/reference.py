@@ -119,7 +119,8 @@ def reference_mixer(name: str, mixer, x, mask=None):
         (wq, _), (wk, _), (wv, _) = _split_weights(mixer.qkv_proj, 3)
         q, k, v = (_heads(_lin(x, w, None), H) for w in (wq, wk, wv))
         y = explicit_self_attention(q, k, v, mask, scale=s)
-        return _lin(_unheads(y), out_w, out_b)
+        out = _lin(_unheads(y), out_w, out_b)
+        return out if mask is None else out * mask[..., None]
     if name == "flare":
         (wk, bk), (wv, bv) = _split_weights(mixer.key_value_proj, 2)
         K, V = _heads(_lin(x, wk, bk), H), _heads(_lin(x, wv, bv), H)
@@ -145,7 +146,8 @@ def reference_mixer(name: str, mixer, x, mask=None):
         raise KeyError(name)
     Z = explicit_encode(Q, K, V, mask, scale=s)
     Y = explicit_decode(K, Q, Z, mask, scale=s)
-    return _lin(_unheads(Y), out_w, out_b)
+    out = _lin(_unheads(Y), out_w, out_b)
+    return out if mask is None else out * mask[..., None]
 
 
 def routing_matrix(name: str, mixer, x):
