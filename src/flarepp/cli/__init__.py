@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, KeyError) as err:
+    except (CLIError, ValueError, FileNotFoundError, KeyError, FloatingPointError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"flarepp {args.command}: error: {msg}", file=sys.stderr)
         return 2

@@ -1,0 +1,108 @@
+"""Figures like the paper's 9-12 and training curves, as PNG files in a run directory.
+
+Field panels: reference, prediction and the signed error in percent of the case's
+reference RMS (so the RMS of the error panel is the case's relative L2 in percent), on the
+true geometry: ``pcolormesh`` on the mesh coordinates for structured meshes, a
+triangulation of the points for point clouds (triangles spanning holes are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.tri as mtri  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _triangulation(xy: np.ndarray) -> mtri.Triangulation:
+    tri = mtri.Triangulation(xy[:, 0], xy[:, 1])
+    pts = xy[tri.triangles]
+    edges = np.linalg.norm(pts - np.roll(pts, 1, axis=1), axis=-1).max(axis=1)
+    tri.set_mask(edges > 3.0 * np.median(edges))  # voids and concave boundaries
+    return tri
+
+
+def _panel(ax, values, coords, grid_shape, mask, **kw):
+    if grid_shape is not None:
+        shape = tuple(int(s) for s in grid_shape)
+        X, Y = coords[:, 0].reshape(shape), coords[:, 1].reshape(shape)
+        return ax.pcolormesh(X, Y, values.reshape(shape), shading="gouraud", **kw)
+    keep = np.ones(len(values), bool) if mask is None else mask
+    return ax.tripcolor(_triangulation(coords[keep, :2]), values[keep], shading="gouraud", **kw)
+
+
+def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
+    """One figure per chosen test case (best, median, worst by relative L2)."""
+    data = np.load(pred_path)
+    pred, true, coords, rel = data["pred"], data["true"], data["coords"], data["rel_l2"]
+    mask = data["mask"] if "mask" in data else None
+    grid = data["grid_shape"] if "grid_shape" in data else None
+    names = [str(n) for n in data["field_names"]]
+    units = str(data["units"])
+    order = np.argsort(rel)
+    picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})[:cases]
+    written = []
+    for case in picks:
+        m = None if mask is None else mask[case]
+        for ch in range(true.shape[-1]):
+            ref, prd = true[case, :, ch], pred[case, :, ch]
+            valid = np.ones_like(ref, bool) if m is None else m
+            rms = np.sqrt(np.mean(ref[valid] ** 2)) or 1.0
+            err = 100.0 * (prd - ref) / rms
+            if m is not None:
+                err = np.where(m, err, 0.0)
+            lo, hi = np.percentile(ref[valid], [0.5, 99.5])
+            elim = np.percentile(np.abs(err[valid]), 99.5) or 1.0
+            fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+            label = f"{names[ch] if ch < len(names) else f'channel {ch}'} [{units}]"
+            for ax, vals, title, kw in (
+                    (axes[0], ref, "reference", dict(cmap="viridis", vmin=lo, vmax=hi)),
+                    (axes[1], prd, "prediction", dict(cmap="viridis", vmin=lo, vmax=hi)),
+                    (axes[2], err, "signed error", dict(cmap="RdBu_r", vmin=-elim, vmax=elim))):
+                art = _panel(ax, vals, coords[case], grid, m, **kw)
+                ax.set_title(title)
+                ax.set_aspect("equal")
+                ax.set_xticks([]), ax.set_yticks([])
+                fig.colorbar(art, ax=ax, shrink=0.85,
+                             label="error [% of reference RMS]" if title == "signed error"
+                             else label)
+            fig.suptitle(f"test case {case}: relative L2 = {100 * rel[case]:.2f}%")
+            path = out_dir / f"case_{case:04d}_ch{ch}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def plot_curves(log_path: Path, out_dir: Path) -> Path:
+    """Training loss and test relative L2 against epoch."""
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    epochs = [r["epoch"] for r in records]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    a.semilogy(epochs, [r["train_loss"] for r in records])
+    a.set_xlabel("epoch"), a.set_ylabel("training loss (MSE, normalised)"), a.grid(alpha=.3)
+    ev = [(r["epoch"], 100 * r["test_rel_l2"]) for r in records if "test_rel_l2" in r]
+    if ev:
+        b.semilogy(*zip(*ev), marker="o", ms=3)
+    b.set_xlabel("epoch"), b.set_ylabel("test relative L2 [%] (EMA model)"), b.grid(alpha=.3)
+    path = out_dir / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path, cases: int = 3) -> list[Path]:
+    run_dir = Path(run_dir)
+    pred = run_dir / "test_predictions.npz"
+    if not pred.is_file():
+        raise FileNotFoundError(f"{str(pred)!r} not found: is {str(run_dir)!r} a finished "
+                                "flarepp run directory?")
+    written = plot_cases(pred, run_dir, cases)
+    if (run_dir / "log.jsonl").is_file():
+        written.append(plot_curves(run_dir / "log.jsonl", run_dir))
+    return written

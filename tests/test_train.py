@@ -1,0 +1,106 @@
+"""Training, checkpoints, resume and evaluation on a tiny generated Darcy set."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flarepp.cli import main as cli
+from flarepp.train import CheckpointError, get_preset, latest_checkpoint, train
+
+TINY = ["epochs=3", "checkpoint_every=1", "batch_size=4",
+        "dataset_options={'resolution': 8, 'n_train': 12, 'n_test': 4}",
+        "model.dim=16", "model.heads=2", "model.blocks=2", "model.latents=4"]
+
+
+@pytest.fixture(scope="module")
+def darcy_dir(tmp_path_factory):
+    from flarepp.data.generators.darcy import make_darcy
+    root = tmp_path_factory.mktemp("darcy")
+    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
+    return root
+
+
+def test_resume_is_bitwise_identical(darcy_dir, tmp_path):
+    """A run stopped after one epoch and resumed ends exactly where an uninterrupted run
+    ends (CPU, FP32): a difference means some state (RNG, EMA, scheduler) is not saved."""
+    config = get_preset("darcy-tiny", TINY)
+    full = train(config, tmp_path / "full", data_root=darcy_dir, progress=False)
+    assert train(config, tmp_path / "cut", data_root=darcy_dir, progress=False,
+                 stop_after=1) is None
+    resumed = train(config, tmp_path / "cut", data_root=darcy_dir, progress=False,
+                    resume=True)
+    for key in ("test_rel_l2", "train_rel_l2", "epochs", "params"):
+        assert resumed[key] == full[key], key
+    a = torch.load(latest_checkpoint(tmp_path / "full"), weights_only=False)
+    b = torch.load(latest_checkpoint(tmp_path / "cut"), weights_only=False)
+    for k in a["ema"]:
+        assert torch.equal(a["ema"][k], b["ema"][k]), k
+    log = [json.loads(x) for x in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2, 3]
+
+
+def test_eval_reproduces_metrics_from_checkpoint(darcy_dir, tmp_path):
+    """`flarepp eval` on the last checkpoint gives metrics.json's test_rel_l2 to 1e-6."""
+    config = get_preset("darcy-tiny", TINY)
+    metrics = train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
+    assert 0 < metrics["test_rel_l2"] < 10
+    out = tmp_path / "eval.json"
+    assert cli(["eval", str(latest_checkpoint(tmp_path / "run")), "--data", str(darcy_dir),
+                "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert abs(got["test_rel_l2"] - metrics["test_rel_l2"]) < 1e-6
+    assert set(got) >= {"test_rel_l2", "train_rel_l2", "epochs", "params"}
+    assert cli(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "curves.png").is_file()
+    assert list((tmp_path / "run").glob("case_*.png"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_training_runs(darcy_dir, tmp_path, precision):
+    """bf16/fp16 autocast (with a gradient scaler for fp16) trains with RMSNorm to finite
+    metrics."""
+    config = get_preset("darcy-tiny", TINY + ["epochs=1", f"precision={precision}"])
+    assert config.model_kwargs()["norm"] == "rmsnorm"
+    metrics = train(config, tmp_path / precision, data_root=darcy_dir, progress=False)
+    assert torch.isfinite(torch.tensor(metrics["test_rel_l2"]))
+
+
+def test_bad_inputs_fail_clearly(darcy_dir, tmp_path, capsys):
+    """Unknown preset, missing data directory, corrupt checkpoint, config mismatch on
+    resume: non-zero exit / clear error naming the problem, earlier checkpoints intact."""
+    assert cli(["train", "no-such-preset", "--out", str(tmp_path / "x")]) == 2
+    assert "known presets" in capsys.readouterr().err
+    assert cli(["train", "darcy-tiny", "--data", str(tmp_path / "missing"),
+                "--out", str(tmp_path / "y")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+    assert cli(["train", "darcy-tiny", "--data", str(darcy_dir), "--set", "nope=1"]) == 2
+    assert "unknown key" in capsys.readouterr().err
+
+    config = get_preset("darcy-tiny", TINY + ["epochs=2"])
+    train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
+    last = latest_checkpoint(tmp_path / "run")
+    bad = tmp_path / "run" / "checkpoints" / "epoch_0099.pt"
+    bad.write_bytes(last.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        train(config, tmp_path / "run", data_root=darcy_dir, progress=False, resume=True)
+    assert cli(["eval", str(bad), "--data", str(darcy_dir)]) == 2
+    assert "corrupt" in capsys.readouterr().err
+    bad.unlink()
+    other = get_preset("darcy-tiny", TINY + ["epochs=4", "lr=0.01"])
+    with pytest.raises(CheckpointError, match="different config"):
+        train(other, tmp_path / "run", data_root=darcy_dir, progress=False, resume=True)
+    torch.load(last, weights_only=False)  # the earlier checkpoint is intact
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
+
+
+def test_console_script_help():
+    """The `flarepp` entry point lists its commands."""
+    out = subprocess.run([sys.executable, "-m", "flarepp", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for command in ("train", "eval", "plot", "demo"):
+        assert command in out
