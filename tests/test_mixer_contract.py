@@ -1,7 +1,8 @@
 """Contract tests generated from the mixer registry: every registered mixer gets them.
 
 A mixer may declare ``permutation_equivariant = False`` or ``supports_mask = False`` as
-class attributes; it is then checked for a clear error instead of the property.
+class attributes; it is then checked for a clear error instead of the property. One that
+declares ``stochastic_in_training = True`` is checked in eval mode.
 """
 
 import copy
@@ -20,7 +21,10 @@ SMALL = dict(dim=16, heads=2, latents=4)
 
 def make(name, dtype=torch.float64, **kw):
     torch.manual_seed(0)
-    return flarepp.build_mixer(name, **{**SMALL, **kw}).to(dtype)
+    mixer = flarepp.build_mixer(name, **{**SMALL, **kw}).to(dtype)
+    # A mixer that samples in training mode (Gumbel noise, random anchors) declares
+    # stochastic_in_training = True and is checked in eval mode, where it is deterministic.
+    return mixer.eval() if getattr(mixer, "stochastic_in_training", False) else mixer
 
 
 def supports_mask(mixer):

@@ -79,11 +79,14 @@ class _MergeAcrossRanks(torch.autograd.Function):
                 [*z_r.shape, _dtype_code(z_r.dtype), _dtype_code(l_r.dtype)], group,
                 "the encoder's latent shape [B, H, M, D] and dtypes", z_r.device)
         acc = l_r.dtype  # float32 for 16-bit inputs, float64 for float64
-        shift = l_r.clone()
+        # Collectives see storage order: every buffer must be contiguous, since the fused
+        # kernel's L may be strided differently from an empty shard's.
+        shift = l_r.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         weight = torch.exp(l_r - shift)  # 0 where L_r = -inf, at most 1
-        packed = torch.cat([weight.unsqueeze(-1) * z_r.to(acc), weight.unsqueeze(-1)], dim=-1)
+        packed = torch.cat([weight.unsqueeze(-1) * z_r.to(acc), weight.unsqueeze(-1)],
+                           dim=-1).contiguous()
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
         total = packed[..., -1]
         lse = shift + torch.log(total)  # -inf exactly where every rank had -inf
@@ -97,7 +100,7 @@ class _MergeAcrossRanks(torch.autograd.Function):
     def backward(ctx, dz, dlse):
         z_r, l_r, z, lse = ctx.saved_tensors
         acc = l_r.dtype
-        packed = torch.cat([dz.to(acc), dlse.to(acc).unsqueeze(-1)], dim=-1)
+        packed = torch.cat([dz.to(acc), dlse.to(acc).unsqueeze(-1)], dim=-1).contiguous()
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)  # eq. 39
         dz_full, dlse_full = packed[..., :-1], packed[..., -1]
         finite = torch.isfinite(lse)
@@ -135,14 +138,14 @@ class _GlobalSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.clone()
+        out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        grad = grad.clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from flarepp.mixers import MIXERS, Mixer
 from flarepp.models import MODELS
+from flarepp.ops import AttentionBackend
 from flarepp.registry import Registry
 
 SHARDABLE_MIXERS: Registry = Registry("token-shardable mixer")
@@ -54,3 +55,20 @@ def check_token_shardable(model: nn.Module, purpose: str) -> None:
     if mixers == 0:
         raise ValueError(f"{purpose}: {type(model).__name__} holds no flarepp mixer, so there "
                          "is no encoder to merge across token shards")
+
+
+def install_backend(model: nn.Module, backend: AttentionBackend
+                    ) -> list[tuple[nn.Module, AttentionBackend]]:
+    """Route every mixer of ``model`` through ``backend``; returns what to restore."""
+    previous = []
+    for module in model.modules():
+        if isinstance(getattr(module, "backend", None), AttentionBackend):
+            previous.append((module, module.backend))
+            module.backend = backend
+    return previous
+
+
+def restore_backends(previous: list[tuple[nn.Module, AttentionBackend]]) -> None:
+    """Undo :func:`install_backend`."""
+    for module, backend in previous:
+        module.backend = backend

@@ -6,6 +6,9 @@ import dataclasses
 
 from flarepp.mixers import attention as _attention  # noqa: F401  (registers)
 from flarepp.mixers import flare as _flare  # noqa: F401  (registers)
+from flarepp.mixers import abupt as _abupt  # noqa: F401  (registers)
+from flarepp.mixers import luna as _luna  # noqa: F401  (registers)
+from flarepp.mixers import transolver as _transolver  # noqa: F401  (registers)
 from flarepp.mixers.base import Mixer, MixerConfig
 from flarepp.mixers.registry import MIXERS
 

@@ -73,8 +73,28 @@ class Mixer(nn.Module):
     def split_projections(self, x_BNkC: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
         """The output of ``k`` stacked projections, ``[B, N, k*C]``, as ``k`` per-head
         ``[B, H, N, D]`` views (no copy)."""
-        B, N, _ = x_BNkC.shape
-        return x_BNkC.view(B, N, k, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return tuple(self.heads_first(t) for t in self.split_projections_BNHD(x_BNkC, k))
+
+    def split_projections_BNHD(self, x_BNkC: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+        """``[B, N, k*C]`` as ``k`` views ``[B, N, H, D]`` in the layout the GEMM wrote.
+
+        Split along the channel dim, so that the backward pass concatenates the ``k``
+        gradients straight into ``[B, N, k*C]`` (one copy); ``unbind`` of a permuted view
+        would stack them and then copy again to undo the permutation. A per-head norm
+        over D applied here, before :meth:`heads_first`, reads rows of D contiguous
+        numbers and needs no transposing copy, forward or backward.
+        """
+        B, N, width = x_BNkC.shape
+        if width != k * self.config.dim:
+            raise ValueError(f"expected {k} stacked projections of width {self.config.dim}, "
+                             f"i.e. [B, N, {k * self.config.dim}], got {list(x_BNkC.shape)}")
+        return tuple(t.view(B, N, self.heads, self.head_dim)
+                     for t in x_BNkC.split(self.config.dim, dim=-1))
+
+    @staticmethod
+    def heads_first(x_BNHD: torch.Tensor) -> torch.Tensor:
+        """``[B, N, H, D] -> [B, H, N, D]`` (a view; the fused SDPA kernels take it as is)."""
+        return x_BNHD.transpose(1, 2)
 
     def merge_heads(self, y_BHND: torch.Tensor) -> torch.Tensor:
         """``[B, H, N, D] -> [B, N, H*D]``."""

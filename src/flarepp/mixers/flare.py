@@ -102,9 +102,12 @@ class FLAREPP(FLARE):
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        synthesis_keys, keys, values = self.split_projections(self.key_value_proj(x), 3)
-        synthesis_keys = self.synthesis_key_norm(synthesis_keys)
-        keys = self.routing_key_norm(keys)
+        synthesis_keys, keys, values = self.split_projections_BNHD(self.key_value_proj(x), 3)
+        # The per-head norms act on D alone, so they run in the GEMM's [B, N, H, D] layout
+        # (rows of D contiguous numbers) before the heads-first views the kernels take.
+        synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis_keys))
+        keys = self.heads_first(self.routing_key_norm(keys))
+        values = self.heads_first(values)
         queries = self.routing_queries(synthesis_keys, mask, x.shape[0])
         s = self.config.attn_scale
         latents = self.backend.encode(queries, keys, values, mask, scale=s)

@@ -13,11 +13,25 @@ from typing import Any
 from torch import nn
 
 from flarepp.models.backbone import SurrogateConfig, SurrogateModel
+from flarepp.models.gnot import GNOT
+from flarepp.models.lno import LNO
+from flarepp.models.luna import LunaSurrogate
+from flarepp.models.perceiver_io import PerceiverIO
+from flarepp.models.set_transformer import SetTransformer
 from flarepp.registry import Registry
 
 MODELS: Registry = Registry("model")
 MODELS.add("surrogate", SurrogateModel,
            doc="shared residual backbone of Table 7 around a registered mixer")
+# The comparison architectures of Table 9 (paper Sec. C.3).
+MODELS.add("luna", LunaSurrogate,
+           doc="the backbone with Luna layers and their packed stream carried across blocks")
+MODELS.add("set-transformer", SetTransformer,
+           doc="Set Transformer: an ISAB with M inducing points replaces each block")
+MODELS.add("perceiver-io", PerceiverIO,
+           doc="PerceiverIO: 512 latents, 8 latent self-attention blocks, MLP ratio 4")
+MODELS.add("gnot", GNOT, doc="GNOT: normalized linear attention, geometry-gated 3 experts")
+MODELS.add("lno", LNO, doc="Latent Neural Operator: 256 latent modes, 4 latent blocks")
 
 
 def list_models() -> list[str]:

@@ -1,0 +1,75 @@
+"""``flarepp data make NAME --out DIR ...`` and ``flarepp data check NAME PATH``."""
+
+from __future__ import annotations
+
+import argparse
+
+from flarepp.cli import CLIError
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _make(args: argparse.Namespace) -> int:
+    from flarepp.data.generators import GENERATORS
+    entry = GENERATORS.entry(args.dataset)
+    resolution = entry.defaults.get("resolution") if args.resolution is None else args.resolution
+    try:
+        paths = entry.obj(args.out, n_train=args.train, n_test=args.test, resolution=resolution,
+                          seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
+    except (ModuleNotFoundError, FileExistsError) as err:
+        raise CLIError(str(err)) from err
+    for path in paths:
+        print(f"wrote {path}")
+    options = f"n_train={args.train}, n_test={args.test}"
+    if args.dataset == "darcy":
+        options += f", resolution={resolution}"
+    print(f"load with flarepp.data.load_dataset({args.dataset!r}, {str(args.out)!r}, {options})")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from flarepp.data import load_dataset
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CLIError(f"--option expects key=value, got {item!r}")
+        options[key] = float(value) if "." in value else int(value)
+    splits = load_dataset(args.dataset, args.path, **options)
+    for split in ("train", "test"):
+        samples = getattr(splits, split)
+        mask = "none" if samples.mask is None else f"{int(samples.mask.sum())} real points"
+        print(f"{split}: x {list(samples.x.shape)}, y {list(samples.y.shape)}, mask {mask}, "
+              f"grid {samples.grid_shape}")
+    print(f"field {splits.field_names} [{splits.units}] from {splits.source}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from flarepp.data.generators import GENERATORS
+    parser = subparsers.add_parser("data", help="make or check datasets")
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    make = sub.add_parser("make", help="generate a PDE dataset in a public benchmark layout")
+    make.add_argument("dataset", choices=GENERATORS.names())
+    make.add_argument("--out", required=True, help="directory for the files")
+    make.add_argument("--train", type=_positive, default=1000, help="training samples")
+    make.add_argument("--test", type=_positive, default=200, help="test samples")
+    make.add_argument("--resolution", type=_positive, default=None,
+                      help="grid points per side (darcy; default 85)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--overwrite", action="store_true", help="replace existing files")
+    make.add_argument("--quiet", action="store_true", help="no progress bar")
+    make.set_defaults(func=_make)
+
+    check = sub.add_parser("check", help="load a dataset and print its shapes")
+    check.add_argument("dataset", help="registered dataset name (elasticity, darcy, npz, ...)")
+    check.add_argument("path", help="data directory or file")
+    check.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="loader option, e.g. n_train=400 (repeatable)")
+    check.set_defaults(func=_check)

@@ -1,0 +1,168 @@
+"""GNOT: general neural operator transformer (Hao et al., 2023, Sec. 3) (Table 9).
+
+Shape letters: B batch, N tokens (points), H heads, D head width, C channels, E experts.
+
+* trunk (query points) ``X = MLP_q(pos)``; branch (input function) ``Y = MLP_f(x)``;
+* B blocks of heterogeneous normalized attention with geometry-gated experts:
+
+  ``X <- X + CrossAttn(LN(X), LN(Y))``, ``X <- X + LN(sum_e g_e(pos) FFN1_e(X))``,
+  ``X <- X + SelfAttn(LN(X))``,          ``X <- X + LN(sum_e g_e(pos) FFN2_e(X))``;
+
+* head ``Linear -> GELU -> Linear``.
+
+Normalized (linear) attention, per head: ``q~ = softmax_D(q)``, ``k~ = softmax_D(k)``,
+``z_t = sum_i (q~_t . k~_i) v_i / sum_j (q~_t . k~_j)``, computed as
+``q~ (k~^T V) / (q~ . sum_j k~_j)`` in O(N D^2); output projection after. The geometric
+gate ``g(pos) = softmax_E(GateNet(pos))`` (an MLP ``space_dim -> rC -> rC -> E``) mixes E
+expert FFNs ``C -> rC -> C`` per point: a soft domain decomposition. The branch is fixed,
+the query stream is updated block by block (the order of operations and the norm on the
+expert output follow the authors' release).
+
+``pos`` is the first ``space_dim`` input channels (all of them by default). Defaults are
+the FLARE study's: C=128, H=8, B=8, MLP ratio 2, 3 experts (about 4.87M parameters; the
+study reports 4.88M). Padding points are excluded from every key sum and get zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flarepp.mixers.base import check_tokens
+from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.ops import make_norm
+
+
+@dataclass(kw_only=True)
+class GNOTConfig:
+    """``experts``: E; ``space_dim``: how many leading input channels are coordinates
+    (``None``: all ``in_dim``); ``mlp_ratio`` r of the experts and the gate network;
+    ``norm`` the type of the five norms per block (LayerNorm in FP32, C.2)."""
+
+    in_dim: int
+    out_dim: int
+    dim: int = 128
+    heads: int = 8
+    blocks: int = 8
+    experts: int = 3
+    mlp_ratio: float = 2.0
+    space_dim: int | None = None
+    norm: str = "layernorm"
+
+    def __post_init__(self) -> None:
+        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "experts"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"gnot: {name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ValueError(f"gnot: dim={self.dim} must be divisible by heads={self.heads}")
+        if self.space_dim is not None and not 0 < self.space_dim <= self.in_dim:
+            raise ValueError(f"gnot: space_dim must be in [1, in_dim={self.in_dim}], "
+                             f"got {self.space_dim}")
+
+    @property
+    def coordinate_channels(self) -> int:
+        return self.in_dim if self.space_dim is None else self.space_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": "gnot", **asdict(self)}
+
+
+class NormalizedAttention(nn.Module):
+    """GNOT's normalized linear attention (queries from ``x``, keys/values from ``y``)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query_proj = nn.Linear(dim, dim)
+        self.key_proj = nn.Linear(dim, dim)
+        self.value_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def _heads(self, t_BNC: torch.Tensor) -> torch.Tensor:
+        B, N, C = t_BNC.shape
+        return t_BNC.view(B, N, self.heads, C // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None
+                ) -> torch.Tensor:
+        q = self._heads(self.query_proj(x)).softmax(dim=-1)                  # q~ [B,H,N,D]
+        k = self._heads(self.key_proj(y)).softmax(dim=-1)                    # k~
+        v = self._heads(self.value_proj(y))
+        if mask is not None:                                                 # drop padding keys
+            keep = mask[:, None, :, None].to(k.dtype)
+            k, v = k * keep, v * keep
+        context = k.transpose(-1, -2) @ v                                    # [B,H,D,D]
+        normaliser = q @ k.sum(dim=2, keepdim=True).transpose(-1, -2)        # [B,H,N,1]
+        z = (q @ context) / normaliser
+        B, H, N, D = z.shape
+        return self.out_proj(z.transpose(1, 2).reshape(B, N, H * D))
+
+
+class GatedExperts(nn.Module):
+    """``sum_e g_e FFN_e(x)`` with the gate ``g [B, N, E]`` given."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(experts))
+
+    def forward(self, x: torch.Tensor, gate_BNE: torch.Tensor) -> torch.Tensor:
+        out = torch.stack([expert(x) for expert in self.experts], dim=-1)   # [B,N,C,E]
+        return (out * gate_BNE.unsqueeze(2)).sum(dim=-1)
+
+
+class GNOTBlock(nn.Module):
+    def __init__(self, c: GNOTConfig) -> None:
+        super().__init__()
+        hidden = int(c.dim * c.mlp_ratio)
+        self.cross_query_norm = make_norm(c.norm, c.dim)
+        self.cross_input_norm = make_norm(c.norm, c.dim)
+        self.cross_attn = NormalizedAttention(c.dim, c.heads)
+        self.experts1 = GatedExperts(c.dim, hidden, c.experts)
+        self.experts1_norm = make_norm(c.norm, c.dim)
+        self.self_norm = make_norm(c.norm, c.dim)
+        self.self_attn = NormalizedAttention(c.dim, c.heads)
+        self.experts2 = GatedExperts(c.dim, hidden, c.experts)
+        self.experts2_norm = make_norm(c.norm, c.dim)
+        self.gate_net = nn.Sequential(
+            nn.Linear(c.coordinate_channels, hidden), nn.GELU(),
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, c.experts))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, pos: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        gate = torch.softmax(self.gate_net(pos), dim=-1)                     # [B, N, E]
+        x = x + self.cross_attn(self.cross_query_norm(x), self.cross_input_norm(y), mask)
+        x = x + self.experts1_norm(self.experts1(x, gate))
+        h = self.self_norm(x)
+        x = x + self.self_attn(h, h, mask)
+        return x + self.experts2_norm(self.experts2(x, gate))
+
+
+class GNOT(nn.Module):
+    """``[B, N, in_dim] -> [B, N, out_dim]``."""
+
+    config_cls = GNOTConfig
+
+    def __init__(self, config: GNOTConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.query_mlp = ResidualMLP(c.coordinate_channels, 2 * c.dim, c.dim, 0)   # trunk
+        self.input_mlp = ResidualMLP(c.in_dim, 2 * c.dim, c.dim, 0)                # branch
+        self.blocks = nn.ModuleList(GNOTBlock(c) for _ in range(c.blocks))
+        self.head = nn.Sequential(nn.Linear(c.dim, 2 * c.dim), nn.GELU(),
+                                  nn.Linear(2 * c.dim, c.out_dim))
+        init_backbone_weights(self)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.in_dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        pos = x[..., :self.config.coordinate_channels]
+        h, y = self.query_mlp(pos), self.input_mlp(x)
+        for block in self.blocks:
+            h = block(h, y, pos, mask)
+        out = self.head(h)
+        return out if mask is None else out.masked_fill(~mask[..., None], 0.0)

@@ -1,0 +1,70 @@
+"""Luna in the shared backbone, with its packed stream carried across blocks (Table 1 row).
+
+``build_model(arch="luna", in_dim=..., out_dim=...)``: the backbone of Table 7 (same input
+and output projections, pre-norm blocks, FFN) whose mixers are Luna layers
+(:mod:`flarepp.mixers.luna`), plus Luna's packed stream: a learned ``P_0 [M, C]``
+(``N(0, 1/C)``) and, per block,
+
+    ``Y_X, Y_P = LunaAttn(norm(X), norm_P(P))``,  ``X <- X + Y_X``,  ``P <- P + Y_P``,
+    ``X <- X + FFN(norm(X))``
+
+(Ma et al., 2021, Sec. 3.2, in the pre-norm form of the shared backbone; the packed stream
+has no FFN, as in Luna). With C=128, H=8, M=64, B=8 this is 1.57M parameters (Table 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flarepp.mixers.base import check_tokens
+from flarepp.models.backbone import SurrogateConfig, SurrogateModel
+
+
+@dataclass(kw_only=True)
+class LunaSurrogateConfig(SurrogateConfig):
+    """The backbone settings (Tables 7-8); the mixer is always ``"luna"``."""
+
+    mixer: str = "luna"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mixer != "luna":
+            raise ValueError(f"arch 'luna' always uses the 'luna' mixer, got mixer={self.mixer!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "arch": "luna"}
+
+
+class LunaSurrogate(SurrogateModel):
+    """The shared residual backbone with Luna layers and a carried packed stream."""
+
+    config_cls = LunaSurrogateConfig
+
+    def __init__(self, config: LunaSurrogateConfig) -> None:
+        options = {**config.mixer_options, "learned_packed": False}
+        super().__init__(dataclasses.replace(config, mixer_options=options))
+        self.packed_init = nn.Parameter(torch.randn(config.latents, config.dim)
+                                        * config.dim ** -0.5)            # P_0 [M, C]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.in_dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        h = self.in_proj(x)                                               # [B, N, C]
+        packed = self.packed_init.unsqueeze(0).expand(x.shape[0], -1, -1)  # [B, M, C]
+        for block in self.blocks:
+            luna = block.mixer
+            y, packed_context = luna.pack_unpack(block.mixer_norm(h),
+                                                 luna.packed_norm(packed), mask)
+            h = h + y
+            packed = packed + packed_context
+            h = h + block.ffn(block.ffn_norm(h))
+        y = self.out_proj(self.out_norm(h))
+        if mask is not None:
+            y = y.masked_fill(~mask[..., None], 0.0)
+        return y

@@ -1,0 +1,152 @@
+"""Set Transformer as a complete architecture: an ISAB replaces each block (Table 9).
+
+Shape letters: B batch, N tokens, M inducing points, H heads, D head width, C channels.
+
+Lee et al. (2019, Sec. 3): the multihead attention block
+
+    ``MAB(X, Y) = LN(H + rFF(H))``,  ``H = LN(X W_q + Multihead(X W_q, Y W_k, Y W_v))``
+
+with ``rFF(H) = GELU(H W_o + b_o)`` a row-wise feed-forward layer (the residual takes the
+projected queries and the heads are concatenated without a further output matrix, as in
+the authors' release), and the induced set attention block with M learned inducing points
+``I [M, C]`` (Xavier-uniform init):
+
+    ``ISAB(X) = MAB(X, MAB(I, X))``  -- two cross-attention MABs, each with its own
+    projections, residuals, norms and row-wise feed-forward layer.
+
+The model keeps the shared backbone's input/output projections (Table 7) and wraps each
+ISAB in its pre-norm block: ``X <- X + ISAB(LN(X))``, ``X <- X + FFN(LN(X))`` (FFN ratio 2).
+``MAB(I, X)`` uses ``backend.encode`` (inducing points gather the real tokens);
+``MAB(X, H)`` uses ``backend.decode`` (tokens read the M summaries). Masked tokens never
+reach a real token and their outputs are zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flarepp.mixers.base import check_tokens
+from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.ops import FUSED, AttentionBackend, make_norm
+
+
+@dataclass(kw_only=True)
+class SetTransformerConfig:
+    """Tables 7-8 settings; ``latents`` is the number M of inducing points per ISAB."""
+
+    in_dim: int
+    out_dim: int
+    dim: int = 128
+    heads: int = 8
+    blocks: int = 8
+    latents: int = 64
+    norm: str = "layernorm"
+    ffn_ratio: float = 2.0
+    io_layers: int = 2
+    attn_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"set-transformer: {name} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ValueError(f"set-transformer: dim={self.dim} must be divisible by "
+                             f"heads={self.heads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": "set-transformer", **asdict(self)}
+
+
+class MAB(nn.Module):
+    """``MAB(X, Y)`` of Lee et al. (2019); ``queries_are_tokens`` picks the primitive."""
+
+    def __init__(self, dim: int, heads: int, norm: str, attn_scale: float | None) -> None:
+        super().__init__()
+        self.heads, self.attn_scale = heads, attn_scale
+        self.backend: AttentionBackend = FUSED
+        self.query_proj = nn.Linear(dim, dim)              # W_q
+        self.key_value_proj = nn.Linear(dim, 2 * dim)      # [W_k | W_v]
+        self.row_ff = nn.Linear(dim, dim)                  # rFF
+        self.attn_norm = make_norm(norm, dim)
+        self.out_norm = make_norm(norm, dim)
+        self.act = nn.GELU(approximate="tanh")
+
+    def _heads(self, t_BLC: torch.Tensor) -> torch.Tensor:
+        B, L, C = t_BLC.shape
+        return t_BLC.view(B, L, self.heads, C // self.heads).transpose(1, 2)
+
+    def forward(self, queries: torch.Tensor, keys_values: torch.Tensor,
+                mask: torch.Tensor | None, *, queries_are_tokens: bool) -> torch.Tensor:
+        q = self.query_proj(queries)                                    # [B, L, C]
+        k, v = self.key_value_proj(keys_values).chunk(2, dim=-1)
+        qh, kh, vh = self._heads(q), self._heads(k), self._heads(v)
+        if queries_are_tokens:   # tokens read the inducing summaries; padding rows zero
+            a = self.backend.decode(qh, kh, vh, mask, scale=self.attn_scale)
+        else:                    # inducing points gather the real tokens
+            a = self.backend.encode(qh, kh, vh, mask, scale=self.attn_scale)
+        B, H, L, D = a.shape
+        h = self.attn_norm(q + a.transpose(1, 2).reshape(B, L, H * D))
+        return self.out_norm(h + self.act(self.row_ff(h)))
+
+
+class ISAB(nn.Module):
+    """``ISAB(X) = MAB(X, MAB(I, X))`` with ``I [M, C]`` learned inducing points."""
+
+    def __init__(self, c: SetTransformerConfig) -> None:
+        super().__init__()
+        self.inducing_points = nn.Parameter(torch.empty(c.latents, c.dim))
+        nn.init.xavier_uniform_(self.inducing_points)
+        self.gather = MAB(c.dim, c.heads, c.norm, c.attn_scale)    # MAB(I, X)
+        self.scatter = MAB(c.dim, c.heads, c.norm, c.attn_scale)   # MAB(X, H)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        inducing = self.inducing_points.unsqueeze(0).expand(x.shape[0], -1, -1)
+        summaries = self.gather(inducing, x, mask, queries_are_tokens=False)   # [B, M, C]
+        return self.scatter(x, summaries, mask, queries_are_tokens=True)       # [B, N, C]
+
+
+class SetAttentionBlock(nn.Module):
+    """Pre-norm block: ``x + ISAB(norm(x))``, then ``x + FFN(norm(x))``."""
+
+    def __init__(self, c: SetTransformerConfig) -> None:
+        super().__init__()
+        hidden = int(c.dim * c.ffn_ratio)
+        self.isab_norm = make_norm(c.norm, c.dim)
+        self.isab = ISAB(c)
+        self.ffn_norm = make_norm(c.norm, c.dim)
+        self.ffn = nn.Sequential(nn.Linear(c.dim, hidden), nn.GELU(approximate="tanh"),
+                                 nn.Linear(hidden, c.dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.isab(self.isab_norm(x), mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class SetTransformer(nn.Module):
+    """``[B, N, in_dim] -> [B, N, out_dim]`` with B ISAB blocks."""
+
+    config_cls = SetTransformerConfig
+
+    def __init__(self, config: SetTransformerConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
+        self.blocks = nn.ModuleList(SetAttentionBlock(c) for _ in range(c.blocks))
+        self.out_norm = make_norm(c.norm, c.dim)
+        self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
+        init_backbone_weights(self)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        check_tokens(x, mask, self.config.in_dim)
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        h = self.in_proj(x)
+        for block in self.blocks:
+            h = block(h, mask)
+        y = self.out_proj(self.out_norm(h))
+        return y if mask is None else y.masked_fill(~mask[..., None], 0.0)
