@@ -27,7 +27,8 @@ def series_solution(resolution: int, terms: int = 401) -> np.ndarray:
     x = np.linspace(0.0, 1.0, resolution)
     odd = np.arange(1, terms, 2)
     sines = np.sin(np.pi * np.outer(x, odd))
-    coef = 16.0 / (np.pi ** 4 * odd[:, None] * odd[None, :] * (odd[:, None] ** 2 + odd[None, :] ** 2))
+    m, n = odd[:, None], odd[None, :]
+    coef = 16.0 / (np.pi ** 4 * m * n * (m ** 2 + n ** 2))
     return sines @ coef @ sines.T
 
 
@@ -195,8 +196,9 @@ def test_drivaerml_loader_orders_runs_and_masks_uneven_counts(tmp_path):
 
 def test_user_format_fixed_n_single_file_split_by_fraction(tmp_path):
     """x [S, N, in], y [S, N, out], mask [S, N] in one .npz, split in order by test_fraction:
-    the last round(0.25 * 8) = 2 samples are the test split. A failure points to a wrong
-    split, lost mask, or lost metadata."""
+    the last round(0.25 * 8) = 2 samples are the test split; NaN at padded points is accepted
+    and zeroed. A failure points to a wrong split, a lost mask, padding NaN that would reach
+    the model (0 * NaN = NaN in masked attention), or lost metadata."""
     rng = np.random.default_rng(4)
     x, y = rng.random((8, 5, 3)), rng.random((8, 5, 2))
     mask = np.ones((8, 5), bool)
@@ -207,6 +209,7 @@ def test_user_format_fixed_n_single_file_split_by_fraction(tmp_path):
     assert len(splits.train) == 6 and len(splits.test) == 2
     np.testing.assert_allclose(splits.test.x, x[6:], rtol=1e-6)
     np.testing.assert_array_equal(splits.train.mask, mask[:6])
+    assert np.all(splits.train.y[1, 3:] == 0)  # NaN padding is zeroed, not passed on
     assert splits.field_names == ["p", "T"] and splits.out_dim == 2
 
 

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from flarepp.distributed import (SHARDABLE_MIXERS, RankFailure, context_parallel,
+from flarepp.distributed import (SHARDABLE_MIXERS, SHARDABLE_MODELS, RankFailure, context_parallel,
                                  distributed_encode_with_lse, gather_tokens, global_sum,
                                  run_on_ranks, shard_slice)
 from flarepp.mixers import list_mixers
-from flarepp.models import build_model
+from flarepp.models import build_model, list_models
 from flarepp.ops import encode_with_lse
 
 DIM, HEADS, LATENTS, BLOCKS, IN_DIM, OUT_DIM, BATCH = 16, 2, 4, 2, 3, 2, 2
 SHARDABLE = [name for name in list_mixers() if name in SHARDABLE_MIXERS]
 NOT_SHARDABLE = [name for name in list_mixers() if name not in SHARDABLE_MIXERS]
+NOT_SHARDABLE_MODELS = [name for name in list_models() if name not in SHARDABLE_MODELS]
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
@@ -56,7 +57,7 @@ def make_batch(n: int, dtype: str, masked: bool, seed: int = 1):
 
 
 def run_reference(case: dict) -> dict:
-    model = make_model(case["mixer"], case["dtype"])
+    model = make_model(case["mixer"], case["dtype"], **case.get("model", {}))
     x, w, mask = make_batch(case["n"], case["dtype"], case["masked"])
     x.requires_grad_(True)
     y = model(x, mask)
@@ -70,7 +71,7 @@ def run_sharded(group, case: dict) -> dict:
     gradients. Ranks other than 0 start from different weights: ``context_parallel`` must
     copy rank 0's."""
     rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    model = make_model(case["mixer"], case["dtype"], seed=rank)
+    model = make_model(case["mixer"], case["dtype"], seed=rank, **case.get("model", {}))
     x, w, mask = make_batch(case["n"], case["dtype"], case["masked"])
     with context_parallel(model, group) as cp:
         sizes = case.get("sizes", {}).get(world)
@@ -181,6 +182,7 @@ CASES_R2 = (
      for m in SHARDABLE for masked in (False, True)]
     + [dict(mixer=m, dtype="float32", n=23, masked=True) for m in ("flare", "flarepp")]
     + [dict(mixer="flarepp", dtype="float64", n=13, masked=True, sizes={2: [13, 0]})]
+    + [dict(mixer="luna", model=dict(arch="luna"), dtype="float64", n=23, masked=True)]
 )
 CASES_R3 = (
     [dict(mixer=m, dtype="float64", n=17, masked=True, sizes={3: [9, 0, 8]})
@@ -190,11 +192,22 @@ CASES_R3 = (
 )
 
 
+def run_bad_config(group) -> str:
+    """Rank 1 builds its model with one latent more than rank 0."""
+    rank = torch.distributed.get_rank(group)
+    try:
+        context_parallel(make_model("flarepp", "float32", latents=LATENTS + rank), group)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def program_r2(group) -> dict:
     return {"cases": [run_sharded(group, c) for c in CASES_R2],
             "encoder": run_sharded_encoder(group, [7, 4]),
             "training": run_sharded_training(group),
-            "bad_batch": run_bad_batch(group)}
+            "bad_batch": run_bad_batch(group),
+            "bad_config": run_bad_config(group)}
 
 
 def program_r3(group) -> dict:
@@ -232,7 +245,8 @@ def check_cases(results: list[dict], cases: list[dict]) -> None:
     world = len(results)
     for i, case in enumerate(cases):
         ref, dtype = run_reference(case), case["dtype"]
-        label = f"{case['mixer']} {dtype} N={case['n']} masked={case['masked']} R={world}"
+        label = (f"{case['mixer']} {case.get('model', '')} {dtype} N={case['n']} "
+                 f"masked={case['masked']} R={world}")
         assert_close(np.concatenate([r["cases"][i]["y_r"] for r in results], axis=1),
                      ref["y"], dtype, f"{label}: outputs")
         assert_close(np.concatenate([r["cases"][i]["x_grad_r"] for r in results], axis=1),
@@ -316,18 +330,12 @@ def test_mismatched_batch_raises_on_every_rank(ranks_2):
         assert "ranks disagree on the encoder's latent shape" in message
 
 
-def run_mismatched_config(group) -> None:
-    rank = torch.distributed.get_rank(group)
-    context_parallel(make_model("flarepp", "float32", latents=LATENTS + rank), group)
-
-
-def test_mismatched_configs_fail_fast():
-    """Ranks built with different model configs must fail at wrap time with a message that
-    names the differing key, never hang or train on inconsistent replicas."""
-    with pytest.raises(RankFailure) as err:
-        run_on_ranks(run_mismatched_config, 2, timeout_s=60, collective_timeout_s=10)
-    assert "config latents=5 vs rank 0 4" in str(err.value)
-    assert str(err.value).count("raised") == 2  # every rank reports it
+def test_mismatched_configs_fail_fast(ranks_2):
+    """Ranks built with different model configs must fail at wrap time, on every rank, with
+    a message naming the differing key; never hang or train on inconsistent replicas."""
+    for message in (r["bad_config"] for r in ranks_2):
+        assert "the ranks hold different models" in message
+        assert "rank 1 config latents=5 vs rank 0 4" in message
 
 
 def run_dying_rank(group) -> None:
@@ -355,6 +363,14 @@ def test_unshardable_mixers_are_refused(mixer):
                         latents=LATENTS, blocks=1)
     with pytest.raises(ValueError, match="cannot be split exactly"):
         context_parallel(model, group=None)
+
+
+@pytest.mark.parametrize("arch", NOT_SHARDABLE_MODELS)
+def test_unshardable_models_are_refused(arch):
+    """Registered architectures not declared token-shardable (global layers outside the
+    latent encode) must be refused before any collective."""
+    with pytest.raises(ValueError, match="cannot be split exactly|not known to be pointwise"):
+        context_parallel(build_model(arch=arch, in_dim=IN_DIM, out_dim=OUT_DIM), group=None)
 
 
 @pytest.mark.parametrize("masked", [False, True])

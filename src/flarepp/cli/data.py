@@ -14,6 +14,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
 def _make(args: argparse.Namespace) -> int:
     from flarepp.data.generators import GENERATORS
     entry = GENERATORS.entry(args.dataset)
@@ -39,7 +48,7 @@ def _check(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise CLIError(f"--option expects key=value, got {item!r}")
-        options[key] = float(value) if "." in value else int(value)
+        options[key] = _number(value)
     splits = load_dataset(args.dataset, args.path, **options)
     for split in ("train", "test"):
         samples = getattr(splits, split)

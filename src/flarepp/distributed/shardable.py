@@ -24,7 +24,10 @@ SHARDABLE_MIXERS.add("flare", True, doc="one encode per block (B.4)")
 SHARDABLE_MIXERS.add("flarepp", True, doc="two encodes per block: synthesis, then gather")
 SHARDABLE_MIXERS.add("flarepp-simple", True, doc="two encodes per block")
 SHARDABLE_MIXERS.add("flarepp-v1", True, doc="two encodes per block")
+SHARDABLE_MIXERS.add("luna", True, doc="pack = one encode per block; unpack = a local decode")
 SHARDABLE_MODELS.add("surrogate", True, doc="pointwise io MLPs, norms and FFNs around mixers")
+SHARDABLE_MODELS.add("luna", True, doc="the backbone plus a packed stream [B, M, C] that only "
+                     "encodes update, so it is replicated exactly")
 
 
 def _registered_names(registry: Registry, cls: type) -> list[str]:

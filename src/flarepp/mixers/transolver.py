@@ -66,12 +66,17 @@ def deslice(weights_BHNM: torch.Tensor, states_BHMD: torch.Tensor) -> torch.Tens
     return torch.einsum("bhnm,bhmd->bhnd", weights_BHNM, states_BHMD)
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """Upcast 16-bit tensors for a softmax; float32 and float64 pass unchanged."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
-    """``g = -log(-log u)``, ``u ~ U(0, 1)`` kept away from 0 and 1 (float32)."""
-    tiny = torch.finfo(torch.float32).tiny
-    u = torch.rand(like.shape, device=like.device, dtype=torch.float32)
-    u = u.clamp(min=tiny, max=1.0 - torch.finfo(torch.float32).eps)
-    return -torch.log(-torch.log(u))
+    """``g = -log(-log u)``, ``u ~ U(0, 1)`` kept away from 0 and 1 (at least float32)."""
+    dtype = at_least_float32(like).dtype
+    info = torch.finfo(dtype)
+    u = torch.rand(like.shape, device=like.device, dtype=dtype)
+    return -torch.log(-torch.log(u.clamp(min=info.tiny, max=1.0 - info.eps)))
 
 
 class PhysicsAttention(Mixer):
@@ -96,8 +101,8 @@ class PhysicsAttention(Mixer):
     @staticmethod
     def softmax_over_slices(logits_BHNM: torch.Tensor, temperature: torch.Tensor
                             ) -> torch.Tensor:
-        """``softmax_M(logits / tau)`` in float32, returned in the logits' dtype."""
-        w = torch.softmax(logits_BHNM.float() / temperature.float(), dim=-1)
+        """``softmax_M(logits / tau)`` in at least float32, returned in the logits' dtype."""
+        w = torch.softmax(at_least_float32(logits_BHNM) / at_least_float32(temperature), dim=-1)
         return w.to(logits_BHNM.dtype)
 
     @staticmethod
@@ -159,7 +164,7 @@ class TransolverPP(PhysicsAttention):
         tau = tau.clamp(min=0.01)                                           # [B,H,N,1]
         logits = self.slice_proj(tokens)
         if self.training:
-            logits = logits.float() + gumbel_noise(logits)
+            logits = at_least_float32(logits) + gumbel_noise(logits)
         weights = masked_slice_weights(self.softmax_over_slices(logits, tau), mask)
         weights = weights.to(tokens.dtype)
         states = self.attend_states(slice_tokens(weights, tokens))

@@ -108,7 +108,9 @@ class LNO(nn.Module):
         check_tokens(x, mask, self.config.in_dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        scores = self.mode_projector(self.trunk(x)).float()                     # [B, N, R]
+        scores = self.mode_projector(self.trunk(x))                             # [B, N, R]
+        if scores.dtype in (torch.float16, torch.bfloat16):  # softmax in float32
+            scores = scores.float()
         if mask is not None:
             scores_enc = scores.masked_fill(~mask[..., None], float("-inf"))
         else:

@@ -1,0 +1,149 @@
+"""Context-parallel scaling (paper Table 5) and streaming-inference memory, measured on CPU.
+
+* :func:`context_parallel_scaling`: one training step (forward, backward, gradient
+  all-reduce) of a FLARE-family model on a mesh of N tokens, split over R = 1, 2, ... local
+  gloo ranks, one thread each. Reported per R: the median step time ``T_R``, the per-rank
+  peak memory ``P_R`` (growth of the resident set during the steps), and the paper's two
+  efficiencies ``E = T_1 / (R T_R)`` and ``E_mem = P_1 / (R P_R)``.
+* :func:`streaming_memory`: peak memory of :func:`~flarepp.distributed.stream_forward` at a
+  fixed chunk size against N, next to the unchunked forward's.
+
+Peak memory is the kernel's high-water mark of this process's resident set (``VmHWM``),
+reset right before the measured work (``/proc/self/clear_refs``), minus the resident set at
+that moment; every measurement runs in a fresh interpreter, so earlier runs' freed memory
+cannot hide growth. Linux only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from flarepp.models import build_model
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key} (peak memory needs Linux)")
+
+
+def reset_peak_memory() -> int:
+    """Reset the resident-set high-water mark; returns the current resident set in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_memory_since(base: int) -> int:
+    """Bytes by which the resident set peaked above ``base`` since :func:`reset_peak_memory`."""
+    return _status_kib("VmHWM") * 1024 - base
+
+
+def _model(settings: dict[str, Any]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(**settings)
+
+
+def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, steps: int
+                  ) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from flarepp.distributed import context_parallel
+    model = _model(settings)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, n_tokens, settings["in_dim"], generator=g)
+    w = torch.randn(batch, n_tokens, settings["out_dim"], generator=g)
+    with context_parallel(model, group) as cp:
+        x_r, w_r = cp.shard(x).contiguous(), cp.shard(w).contiguous()
+        del x, w
+        times = []
+        base = reset_peak_memory()
+        for _ in range(steps + 1):  # the first step warms up and is not timed
+            dist.barrier(group)
+            start = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            (model(x_r) * w_r).sum().backward()
+            cp.all_reduce_gradients()
+            dist.barrier(group)
+            times.append(time.perf_counter() - start)
+        peak = peak_memory_since(base)
+    return {"step_s": statistics.median(times[1:]), "peak_bytes": peak}
+
+
+def context_parallel_scaling(settings: dict[str, Any], n_tokens: int, ranks: list[int], *,
+                             batch: int = 1, steps: int = 3) -> list[dict[str, Any]]:
+    """Table 5's ``E`` and ``E_mem`` for each R in ``ranks`` (the first is the reference)."""
+    from flarepp.distributed import run_on_ranks
+    rows = []
+    for world in ranks:
+        per_rank = run_on_ranks(_scaling_rank, world, settings, n_tokens, batch, steps,
+                                timeout_s=3600, collective_timeout_s=600)
+        rows.append({"ranks": world,
+                     "step_s": max(r["step_s"] for r in per_rank),
+                     "peak_bytes_per_rank": max(r["peak_bytes"] for r in per_rank)})
+    ref = rows[0]
+    for row in rows:
+        scale = row["ranks"] / ref["ranks"]
+        row["E"] = ref["step_s"] / (scale * row["step_s"])
+        row["E_mem"] = ref["peak_bytes_per_rank"] / (scale * row["peak_bytes_per_rank"])
+    return rows
+
+
+def _memory_probe(settings: dict[str, Any], n_tokens: int,
+                  chunk_sizes: list[int | None]) -> None:
+    """Run in a fresh interpreter: one forward per entry of ``chunk_sizes`` (``None``:
+    unchunked), in order, each with the high-water mark reset; print the peaks as JSON."""
+    from flarepp.distributed import stream_forward
+    torch.set_num_threads(1)
+    model = _model(settings).eval()
+    x = torch.randn(1, n_tokens, settings["in_dim"], generator=torch.Generator().manual_seed(1))
+    rows = []
+    for chunk_size in chunk_sizes:
+        base = reset_peak_memory()
+        with torch.no_grad():
+            y = (model(x) if chunk_size is None
+                 else stream_forward(model, x, chunk_size=chunk_size))
+        rows.append({"n_tokens": n_tokens, "chunk_size": chunk_size,
+                     "peak_bytes": peak_memory_since(base),
+                     "output_bytes": y.numel() * y.element_size()})
+        del y
+    print(json.dumps(rows))
+
+
+def measure_forward_memory(settings: dict[str, Any], n_tokens: int,
+                           chunk_sizes: list[int | None]) -> list[dict[str, Any]]:
+    """Peak memory of forwards (streamed with each chunk size, ``None``: unchunked) over
+    ``n_tokens`` in one fresh interpreter; measure a streamed run before an unchunked one,
+    whose freed memory could otherwise be reused unseen."""
+    code = ("import json, sys; from flarepp.bench.cp import _memory_probe; "
+            "_memory_probe(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(settings), str(n_tokens),
+                           json.dumps(chunk_sizes)], capture_output=True, text=True,
+                          timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe (N={n_tokens}, chunks={chunk_sizes}) failed:\n"
+                           f"{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def streaming_memory(settings: dict[str, Any], n_tokens: list[int], chunk_size: int, *,
+                     unchunked: bool = True) -> list[dict[str, Any]]:
+    """Streaming (and, if ``unchunked``, plain) forward peak memory for each N."""
+    rows = []
+    for n in n_tokens:
+        found = measure_forward_memory(settings, n, [chunk_size] + ([None] if unchunked else []))
+        row = {"n_tokens": n, "chunk_size": chunk_size,
+               "stream_peak_bytes": found[0]["peak_bytes"]}
+        if unchunked:
+            row["unchunked_peak_bytes"] = found[1]["peak_bytes"]
+        rows.append(row)
+    return rows
