@@ -50,6 +50,8 @@ def test_finished_runs_are_reused(data_root, tmp_path):
     second = run_comparison(["flare"], ["darcy"], tmp_path, **kw)
     assert first == second
     assert (tmp_path / "runs/darcy/flare/seed0/metrics.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="different config"):  # never a stale result
+        run_comparison(["flare"], ["darcy"], tmp_path, **{**kw, "epochs": 2})
 
 
 def test_unknown_model_and_missing_data_are_named(tmp_path):

@@ -8,6 +8,7 @@ D head width. Tolerances: 1e-10 (float64) and 1e-5 (float32), relative to max(1,
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from flarepp.distributed import (SHARDABLE_MIXERS, SHARDABLE_MODELS, RankFailure
 from flarepp.mixers import list_mixers
 from flarepp.models import build_model, list_models
 from flarepp.ops import encode_with_lse
+from reference import explicit_encode_lse
 
 DIM, HEADS, LATENTS, BLOCKS, IN_DIM, OUT_DIM, BATCH = 16, 2, 4, 2, 3, 2, 2
 SHARDABLE = [name for name in list_mixers() if name in SHARDABLE_MIXERS]
@@ -82,18 +84,6 @@ def run_sharded(group, case: dict) -> dict:
         y_all = cp.gather(y_r.detach())
     return {"y_r": y_r.detach().numpy(), "x_grad_r": x_r.grad.numpy(), "y_all": y_all.numpy(),
             "grads": {k: p.grad.numpy() for k, p in model.named_parameters()}}
-
-
-def explicit_encode(q, k, v, mask, scale):
-    """Slow reference: the full [B, H, M, N] score matrix and an explicit softmax."""
-    scores = scale * q @ k.transpose(-1, -2)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.where(torch.isfinite(lse)[..., None],
-                        torch.exp(scores - lse.clamp_min(-1e300)[..., None]),
-                        torch.zeros_like(scores))
-    return probs @ v, lse
 
 
 def encoder_inputs(n: int = 11):
@@ -202,12 +192,28 @@ def run_bad_config(group) -> str:
     return "no error"
 
 
-def program_r2(group) -> dict:
-    return {"cases": [run_sharded(group, c) for c in CASES_R2],
-            "encoder": run_sharded_encoder(group, [7, 4]),
-            "training": run_sharded_training(group),
-            "bad_batch": run_bad_batch(group),
-            "bad_config": run_bad_config(group)}
+def run_trainer_and_cli(group, paths: dict) -> None:
+    """The trainer with ``cp_group`` (rank 0 writes), then ``flarepp infer
+    --context-parallel --chunk-size 7`` as torchrun would run it (the group already exists,
+    so the command must reuse it and leave it alone)."""
+    from flarepp.cli import main
+    from flarepp.train import Trainer
+    Trainer(trainer_config(paths["data"]), paths["cp_run"], progress=False,
+            cp_group=group).fit()
+    os.environ.update(RANK=str(torch.distributed.get_rank(group)), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    assert main(["infer", paths["checkpoint"], "--data", paths["data"], "--out",
+                 paths["cp_pred"], "--context-parallel", "--chunk-size", "7"]) == 0
+
+
+def program_r2(group, paths: dict) -> dict:
+    results = {"cases": [run_sharded(group, c) for c in CASES_R2],
+               "encoder": run_sharded_encoder(group, [7, 4]),
+               "training": run_sharded_training(group),
+               "bad_batch": run_bad_batch(group),
+               "bad_config": run_bad_config(group)}
+    run_trainer_and_cli(group, paths)
+    return results
 
 
 def program_r3(group) -> dict:
@@ -222,9 +228,37 @@ def program_r3(group) -> dict:
             "streamed": gather_tokens(y_r, group).numpy()}
 
 
+def trainer_config(data: str):
+    from flarepp.train import RunConfig
+    return RunConfig(name="cp-test", dataset="npz", data_root=data,
+                     model=dict(mixer="flarepp", dim=DIM, heads=HEADS, latents=LATENTS,
+                                blocks=BLOCKS), epochs=2, batch_size=2, checkpoint_every=1)
+
+
 @pytest.fixture(scope="module")
-def ranks_2():
-    return run_on_ranks(program_r2, 2, timeout_s=90)
+def trained(tmp_path_factory) -> dict:
+    """A user-format dataset (meshes of 20-31 points, so padded and masked) and a
+    single-process training run on it: the reference for the sharded trainer and infer."""
+    from flarepp.train import Trainer
+    root = tmp_path_factory.mktemp("cp")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 4), ("test", 3)):
+        arrays = {}
+        for i in range(count):
+            pts = rng.random((int(rng.integers(20, 32)), 2)).astype(np.float32)
+            arrays[f"x_{i}"] = pts
+            arrays[f"y_{i}"] = np.sin(3 * pts[:, :1]) * np.cos(2 * pts[:, 1:])
+        np.savez(root / f"{split}.npz", **arrays)
+    Trainer(trainer_config(str(root)), root / "ref", progress=False).fit()
+    return {"data": str(root), "ref_run": str(root / "ref"), "cp_run": str(root / "cp"),
+            "checkpoint": str(root / "ref" / "checkpoints" / "epoch_0002.pt"),
+            "cp_pred": str(root / "cp_pred.npz"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def ranks_2(trained):
+    paths = {k: v for k, v in trained.items() if isinstance(v, str)}
+    return run_on_ranks(program_r2, 2, paths, timeout_s=90)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +296,7 @@ def check_encoder(results: list[dict], n: int) -> None:
     q, k, v, mask, a, b = encoder_inputs(n)
     for t in (q, k, v):
         t.requires_grad_(True)
-    z, lse = explicit_encode(q, k, v, mask, 0.7)
+    z, lse = explicit_encode_lse(q, k, v, mask, scale=0.7)
     encoder_loss(z, lse, a, b).backward()
     for r in results:
         assert_close(r["z"], z.detach(), "float64", "distributed Z")
@@ -338,6 +372,41 @@ def test_mismatched_configs_fail_fast(ranks_2):
         assert "rank 1 config latents=5 vs rank 0 4" in message
 
 
+def test_trainer_context_parallel_matches_single_process(ranks_2, trained):
+    """Two epochs of the trainer with its meshes split over 2 ranks log the same losses and
+    test errors as one process, and only rank 0 writes (one log line per epoch). A failure
+    points at the trainer integration: token sharding, the loss shares, the gradient
+    reduction or rank-0-only writes."""
+    import json
+    read = (lambda run: [json.loads(line) for line in
+                         (Path(run) / "log.jsonl").read_text().splitlines()])
+    ref, cp = read(trained["ref_run"]), read(trained["cp_run"])
+    assert [r["epoch"] for r in cp] == [1, 2]
+    for key in ("train_loss", "test_rel_l2"):
+        np.testing.assert_allclose([r[key] for r in cp], [r[key] for r in ref], rtol=1e-5)
+    assert (Path(trained["cp_run"]) / "checkpoints" / "epoch_0002.pt").is_file()
+
+
+def test_infer_cli_plain_streamed_and_sharded_agree(ranks_2, trained):
+    """``flarepp infer`` plain, with chunk sizes that do and do not divide N, and with
+    --context-parallel on 2 ranks (plus chunks) writes the same de-normalised ``pred`` to
+    1e-5, and ``rel_l2`` equal to the trainer's own test predictions."""
+    from flarepp.cli import main
+    root = trained["root"]
+    preds = {}
+    for name, extra in (("plain", []), ("divides", ["--chunk-size", "8"]),
+                        ("ragged", ["--chunk-size", "7"])):
+        out = str(root / f"{name}.npz")
+        assert main(["infer", trained["checkpoint"], "--data", trained["data"],
+                     "--out", out, *extra]) == 0
+        preds[name] = np.load(out)
+    preds["sharded"] = np.load(trained["cp_pred"])
+    reference = np.load(Path(trained["ref_run"]) / "test_predictions.npz")
+    for name, found in preds.items():
+        assert_close(found["pred"], reference["pred"], "float32", f"infer {name}: pred")
+        np.testing.assert_allclose(found["rel_l2"], reference["rel_l2"], rtol=1e-5)
+
+
 def run_dying_rank(group) -> None:
     model = make_model("flare", "float32")
     with context_parallel(model, group):
@@ -382,7 +451,7 @@ def test_lse_backward_matches_explicit_reference(masked):
     mask = mask if masked else None
     grads = []
     for fn in (lambda *t: encode_with_lse(*t, mask, scale=0.7),
-               lambda *t: explicit_encode(*t, mask, 0.7)):
+               lambda *t: explicit_encode_lse(*t, mask, scale=0.7)):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         z, lse = fn(*leaves)
         encoder_loss(z, lse, a, b).backward()

@@ -4,19 +4,26 @@
   all-reduce) of a FLARE-family model on a mesh of N tokens, split over R = 1, 2, ... local
   gloo ranks, one thread each. Reported per R: the median step time ``T_R``, the per-rank
   peak memory ``P_R`` (growth of the resident set during the steps), and the paper's two
-  efficiencies ``E = T_1 / (R T_R)`` and ``E_mem = P_1 / (R P_R)``.
+  efficiencies ``E = T_1 / (R T_R)`` and ``E_mem = P_1 / (R P_R)``; also ``E_cpu``, the
+  same ratio for the busiest rank's process CPU time, which measures how the work divides
+  even when other jobs share the cores (wall-clock ``E`` then mostly measures the sharing).
 * :func:`streaming_memory`: peak memory of :func:`~flarepp.distributed.stream_forward` at a
   fixed chunk size against N, next to the unchunked forward's.
 
 Peak memory is the kernel's high-water mark of this process's resident set (``VmHWM``),
 reset right before the measured work (``/proc/self/clear_refs``), minus the resident set at
-that moment; every measurement runs in a fresh interpreter, so earlier runs' freed memory
-cannot hide growth. Linux only.
+that moment. Every measurement runs in a fresh interpreter with glibc's mmap threshold
+pinned at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so every tensor buffer is mapped on
+allocation and unmapped on free and the resident set follows the live tensors; with glibc's
+adaptive threshold, heap fragmentation moves the figure by tens of MiB from run to run.
+Linux only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +33,8 @@ from typing import Any
 import torch
 
 from flarepp.models import build_model
+
+_MMAP_KEY, _MMAP_BYTES = "MALLOC_MMAP_THRESHOLD_", "131072"
 
 
 def _status_kib(key: str) -> int:
@@ -48,6 +57,20 @@ def peak_memory_since(base: int) -> int:
     return _status_kib("VmHWM") * 1024 - base
 
 
+@contextlib.contextmanager
+def _pinned_mmap_threshold():
+    """Set ``MALLOC_MMAP_THRESHOLD_`` for processes started inside the block."""
+    before = os.environ.get(_MMAP_KEY)
+    os.environ[_MMAP_KEY] = _MMAP_BYTES
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_MMAP_KEY]
+        else:
+            os.environ[_MMAP_KEY] = before
+
+
 def _model(settings: dict[str, Any]) -> torch.nn.Module:
     torch.manual_seed(0)
     return build_model(**settings)
@@ -65,18 +88,20 @@ def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, st
     with context_parallel(model, group) as cp:
         x_r, w_r = cp.shard(x).contiguous(), cp.shard(w).contiguous()
         del x, w
-        times = []
+        times, cpu_times = [], []
         base = reset_peak_memory()
         for _ in range(steps + 1):  # the first step warms up and is not timed
             dist.barrier(group)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             model.zero_grad(set_to_none=True)
             (model(x_r) * w_r).sum().backward()
             cp.all_reduce_gradients()
             dist.barrier(group)
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         peak = peak_memory_since(base)
-    return {"step_s": statistics.median(times[1:]), "peak_bytes": peak}
+    return {"step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu_times[1:]),
+            "peak_bytes": peak}
 
 
 def context_parallel_scaling(settings: dict[str, Any], n_tokens: int, ranks: list[int], *,
@@ -85,15 +110,18 @@ def context_parallel_scaling(settings: dict[str, Any], n_tokens: int, ranks: lis
     from flarepp.distributed import run_on_ranks
     rows = []
     for world in ranks:
-        per_rank = run_on_ranks(_scaling_rank, world, settings, n_tokens, batch, steps,
-                                timeout_s=3600, collective_timeout_s=600)
+        with _pinned_mmap_threshold():  # the ranks inherit it (see the module docstring)
+            per_rank = run_on_ranks(_scaling_rank, world, settings, n_tokens, batch, steps,
+                                    timeout_s=3600, collective_timeout_s=600)
         rows.append({"ranks": world,
                      "step_s": max(r["step_s"] for r in per_rank),
+                     "cpu_s_per_rank": max(r["cpu_s"] for r in per_rank),
                      "peak_bytes_per_rank": max(r["peak_bytes"] for r in per_rank)})
     ref = rows[0]
     for row in rows:
         scale = row["ranks"] / ref["ranks"]
         row["E"] = ref["step_s"] / (scale * row["step_s"])
+        row["E_cpu"] = ref["cpu_s_per_rank"] / (scale * row["cpu_s_per_rank"])
         row["E_mem"] = ref["peak_bytes_per_rank"] / (scale * row["peak_bytes_per_rank"])
     return rows
 
@@ -128,7 +156,7 @@ def measure_forward_memory(settings: dict[str, Any], n_tokens: int,
             "_memory_probe(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(settings), str(n_tokens),
                            json.dumps(chunk_sizes)], capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, env={**os.environ, _MMAP_KEY: _MMAP_BYTES})
     if done.returncode != 0:
         raise RuntimeError(f"memory probe (N={n_tokens}, chunks={chunk_sizes}) failed:\n"
                            f"{done.stderr[-2000:]}")
@@ -139,11 +167,11 @@ def streaming_memory(settings: dict[str, Any], n_tokens: list[int], chunk_size: 
                      unchunked: bool = True) -> list[dict[str, Any]]:
     """Streaming (and, if ``unchunked``, plain) forward peak memory for each N."""
     rows = []
-    for n in n_tokens:
-        found = measure_forward_memory(settings, n, [chunk_size] + ([None] if unchunked else []))
-        row = {"n_tokens": n, "chunk_size": chunk_size,
-               "stream_peak_bytes": found[0]["peak_bytes"]}
+    for n in n_tokens:  # one interpreter per measurement: nothing freed earlier is reused
+        row = {"n_tokens": n, "chunk_size": chunk_size, "stream_peak_bytes":
+               measure_forward_memory(settings, n, [chunk_size])[0]["peak_bytes"]}
         if unchunked:
-            row["unchunked_peak_bytes"] = found[1]["peak_bytes"]
+            row["unchunked_peak_bytes"] = measure_forward_memory(settings, n,
+                                                                 [None])[0]["peak_bytes"]
         rows.append(row)
     return rows

@@ -14,8 +14,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     data = Path(args.data)
     if not any(data.glob("piececonst_r*_N*_smooth1.mat")):
-        print(f"generating Darcy data in {data} (400 train / 100 test, 85 x 85, FNO recipe)")
-        make_darcy(data, n_train=400, n_test=100, resolution=85, seed=0)
+        print(f"generating Darcy data in {data} (200 train / 100 test, 85 x 85, FNO recipe)")
+        make_darcy(data, n_train=200, n_test=100, resolution=85, seed=0)
     config = get_preset("darcy-tiny", args.set or [])
     out = Path(args.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     print(f"training {config.name} ({config.model['mixer']}, {config.epochs} epochs) into {out}")

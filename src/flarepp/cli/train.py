@@ -21,8 +21,17 @@ def _train(args: argparse.Namespace) -> int:
         raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or make "
                        f"data with `flarepp data make {config.dataset} --out {data}`)")
     out = Path(args.out or f"runs/{config.name}")
-    metrics = train(config, out, data_root=data, resume=args.resume,
-                    progress=not args.quiet, stop_after=args.stop_after)
+    if args.context_parallel:  # under torchrun: every rank trains on its share of the points
+        from flarepp.distributed import torchrun_process_group
+        with torchrun_process_group() as group:
+            metrics = train(config, out, data_root=data, resume=args.resume,
+                            progress=not args.quiet, stop_after=args.stop_after,
+                            cp_group=group)
+            if group.rank() != 0:
+                return 0
+    else:
+        metrics = train(config, out, data_root=data, resume=args.resume,
+                        progress=not args.quiet, stop_after=args.stop_after)
     if metrics is None:
         print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
         return 0
@@ -72,6 +81,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-after", type=int, metavar="EPOCHS",
                    help="stop after this many epochs (resume later with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="split every mesh's points over the ranks of a torchrun launch "
+                        "(torchrun --nproc-per-node R -m flarepp train ...)")
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="test metric of a checkpoint (EMA weights)")

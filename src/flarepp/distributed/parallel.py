@@ -28,6 +28,7 @@ collective's error or the process group's timeout (set it with :func:`init_proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import timedelta
@@ -242,7 +243,7 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 600.0
     """
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
-            raise RuntimeError(f"context parallel needs a torchrun launch: environment "
+            raise ValueError(f"context parallel needs a torchrun launch: environment "
                                f"variable {key} is not set (run under `torchrun "
                                f"--nproc-per-node R -m flarepp ...`)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -251,3 +252,16 @@ def init_process_group(backend: str | None = None, *, timeout_s: float = 600.0
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.group.WORLD
+
+
+@contextlib.contextmanager
+def torchrun_process_group(backend: str | None = None, *, timeout_s: float = 600.0):
+    """:func:`init_process_group` as a context: yields the world group and destroys it on
+    exit if this call created it (a group the caller already set up is left alone)."""
+    created = not dist.is_initialized()
+    group = init_process_group(backend, timeout_s=timeout_s)
+    try:
+        yield group
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

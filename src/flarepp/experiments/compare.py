@@ -4,9 +4,10 @@ For each dataset, one preset (``darcy-tiny`` for ``scale="tiny"``, ``darcy`` for
 run) fixes the data, the optimiser, the schedule, the epochs and the backbone settings;
 each model's keywords come from :mod:`flarepp.experiments.comparison`, and each seed is one
 run of the trainer (``seed`` drives the initialisation and the batch order). The data are
-loaded once per dataset and shared by all runs. A run whose ``metrics.json`` exists is
-reused, one with checkpoints but no metrics is resumed, so an interrupted comparison
-continues where it stopped.
+loaded once per dataset and shared by all runs. A finished run (``metrics.json``) with the
+same config is reused and one with checkpoints but no metrics is resumed, so an
+interrupted comparison continues where it stopped; a finished run with another config is
+an error, never a stale table entry.
 
 Outputs in ``out_dir``: ``results.csv`` (one line per run), ``table.md`` and ``table.csv``
 (Table 1's shape: models x datasets, test relative L2 in %, mean and sample standard
@@ -39,8 +40,12 @@ def preset_name(dataset: str, scale: str) -> str:
 
 def _one_run(config, splits, run_dir: Path) -> dict[str, Any]:
     from flarepp.train import Trainer, latest_checkpoint
-    metrics_path = run_dir / "metrics.json"
+    metrics_path, config_path = run_dir / "metrics.json", run_dir / "config.json"
     if metrics_path.exists():
+        stored = json.loads(config_path.read_text()) if config_path.exists() else None
+        if stored != json.loads(json.dumps(config.to_dict())):
+            raise ValueError(f"{str(run_dir)!r} holds a finished run with a different config "
+                             "(epochs, seed, model or data options); choose another --out")
         return json.loads(metrics_path.read_text())
     resume = latest_checkpoint(run_dir) is not None
     trainer = Trainer(config, run_dir, splits=splits, resume=resume, progress=False)

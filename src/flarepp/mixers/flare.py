@@ -89,7 +89,9 @@ class FLAREPP(FLARE):
     def routing_queries(self, synthesis_keys: torch.Tensor, mask: torch.Tensor | None,
                         batch: int) -> torch.Tensor:
         """``Q = N_0(Q_f) + sigmoid(gamma) Q_d`` in FP32, returned in the compute dtype."""
-        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, batch))
+        # N_a acts per latent, so normalising the [H, M, D] seeds once and then expanding
+        # over the batch is the same map as normalising the expanded copies.
+        seeds = self.latents_for(self.seed_norm(self.synthesis_seeds), batch)
         synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
                                           scale=self.config.attn_scale)           # Q_d
         fixed = self.fixed_query_norm(self.fixed_queries)                          # [H, M, D]

@@ -37,7 +37,6 @@ Transolver++ 36,041 -- the settings of the FLARE study's implementation (Table 1
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flarepp.mixers.base import Mixer, MixerConfig, check_tokens

@@ -8,7 +8,8 @@ Lee et al. (2019, Sec. 3): the multihead attention block
 
 with ``rFF(H) = GELU(H W_o + b_o)`` a row-wise feed-forward layer (the residual takes the
 projected queries and the heads are concatenated without a further output matrix, as in
-the authors' release), and the induced set attention block with M learned inducing points
+the authors' release; the softmax scale is ``1/sqrt(D)`` per head where the release divides
+by ``sqrt(C)``), and the induced set attention block with M learned inducing points
 ``I [M, C]`` (Xavier-uniform init):
 
     ``ISAB(X) = MAB(X, MAB(I, X))``  -- two cross-attention MABs, each with its own

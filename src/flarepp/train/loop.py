@@ -50,11 +50,21 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None):
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None,
+               group=None):
+    """MSE over real points; with a context-parallel ``group``, this rank's share of it
+    (local squared errors over the global point count: the shares sum to the loss)."""
     err = (pred.float() - target).square()
-    if mask is None:
-        return err.mean()
-    return (err * mask[..., None]).sum() / (mask.sum() * target.shape[-1])
+    if group is None:
+        if mask is None:
+            return err.mean()
+        return (err * mask[..., None]).sum() / (mask.sum() * target.shape[-1])
+    if mask is not None:
+        err = err * mask[..., None]
+    count = torch.tensor(float(err.numel() if mask is None else mask.sum() * target.shape[-1]),
+                         device=err.device)
+    torch.distributed.all_reduce(count, group=group)
+    return err.sum() / count
 
 
 def normalised(samples: MeshSamples, x_norm: Normalizer, y_norm: Normalizer) -> MeshSamples:
@@ -70,10 +80,14 @@ class Trainer:
 
     def __init__(self, config: RunConfig, out_dir: str | Path, *,
                  data_root: str | Path | None = None, resume: bool = False,
-                 progress: bool = True, splits: DatasetSplits | None = None) -> None:
+                 progress: bool = True, splits: DatasetSplits | None = None,
+                 cp_group=None) -> None:
         self.config = c = config
         self.out_dir = Path(out_dir)
-        self.progress = progress
+        # Context parallelism (App. B): every rank holds the whole batch and trains on its
+        # token shard; group rank 0 alone writes files.
+        self.is_writer = cp_group is None or torch.distributed.get_rank(cp_group) == 0
+        self.progress = progress and self.is_writer
         last = latest_checkpoint(self.out_dir) if resume else None
         if resume and last is None:
             raise CheckpointError(f"--resume: no checkpoint in {str(self.out_dir / 'checkpoints')!r}")
@@ -92,6 +106,10 @@ class Trainer:
                                  **c.model_kwargs())
         self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(c.ema_decay),
                                  use_buffers=True)
+        self.cp = None  # the EMA copy above stays unsharded: evaluation runs on every rank
+        if cp_group is not None:
+            from flarepp.distributed import context_parallel
+            self.cp = context_parallel(self.model, cp_group)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas,
                                            eps=c.eps, weight_decay=c.weight_decay)
         self.steps_per_epoch = math.ceil(len(self.splits.train) / c.batch_size)
@@ -151,23 +169,31 @@ class Trainer:
                    desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
                    disable=not self.progress)
         for _, x, y, mask in bar:
+            if self.cp is not None:
+                x, y, mask = self.cp.shard(x), self.cp.shard(y), self.cp.shard(mask)
             with autocast(c.precision):
                 pred = model(x, mask=mask)
-            loss = masked_mse(pred, y, mask)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss.item()} at epoch "
+            loss = masked_mse(pred, y, mask, None if self.cp is None else self.cp.group)
+            shown = loss.detach()
+            if self.cp is not None:  # the whole mesh's loss, the same on every rank
+                shown = shown.clone()
+                torch.distributed.all_reduce(shown, group=self.cp.group)
+            if not torch.isfinite(shown):
+                raise FloatingPointError(f"loss became {shown.item()} at epoch "
                                          f"{self.epoch + 1}; try --precision fp32 or a lower lr")
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
+            if self.cp is not None:
+                self.cp.all_reduce_gradients()  # every rank: the unsharded gradient
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()
             self.ema.update_parameters(model)
-            total += loss.item() * x.shape[0]
+            total += shown.item() * x.shape[0]
             count += x.shape[0]
-            bar.set_postfix(loss=f"{loss.item():.3e}")
+            bar.set_postfix(loss=f"{shown.item():.3e}")
         return total / max(count, 1)
 
     def evaluate(self, samples: MeshSamples) -> dict:
@@ -179,9 +205,10 @@ class Trainer:
         """Train to ``config.epochs``; ``stop_after`` ends early after that many epochs of
         this call (the run can be resumed). Returns the final metrics, or None if stopped."""
         c = self.config
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.out_dir / "config.json", c.to_dict())
-        self._rewrite_log()
+        if self.is_writer:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            write_json(self.out_dir / "config.json", c.to_dict())
+            self._rewrite_log()
         done_now = 0
         while self.epoch < c.epochs:
             start = time.perf_counter()
@@ -193,13 +220,15 @@ class Trainer:
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
                 record["test_rel_l2"] = self.evaluate(self.splits.test)["rel_l2"]
             self.history.append(record)
-            with open(self.out_dir / "log.jsonl", "a") as log:
-                log.write(json.dumps(record) + "\n")
+            if self.is_writer:
+                with open(self.out_dir / "log.jsonl", "a") as log:
+                    log.write(json.dumps(record) + "\n")
             if self.progress:
                 extra = (f"  test rel L2 {record['test_rel_l2']:.4f}"
                          if "test_rel_l2" in record else "")
                 print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{extra}", flush=True)
-            if self.epoch % c.checkpoint_every == 0 or self.epoch == c.epochs:
+            if self.is_writer and (self.epoch % c.checkpoint_every == 0
+                                   or self.epoch == c.epochs):
                 save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
             done_now += 1
             if stop_after is not None and done_now >= stop_after and self.epoch < c.epochs:
@@ -222,8 +251,9 @@ class Trainer:
             "seed": self.config.seed,
             "checkpoint": str(checkpoint_path(self.out_dir, self.epoch)),
         }
-        save_predictions(self.out_dir / "test_predictions.npz", self.splits, test)
-        write_json(self.out_dir / "metrics.json", metrics)
+        if self.is_writer:
+            save_predictions(self.out_dir / "test_predictions.npz", self.splits, test)
+            write_json(self.out_dir / "metrics.json", metrics)
         return metrics
 
 
@@ -245,8 +275,10 @@ def save_predictions(path: Path, splits: DatasetSplits, result: dict) -> None:
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,
-          resume: bool = False, progress: bool = True, stop_after: int | None = None
-          ) -> dict[str, Any] | None:
-    """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content."""
-    trainer = Trainer(config, out_dir, data_root=data_root, resume=resume, progress=progress)
+          resume: bool = False, progress: bool = True, stop_after: int | None = None,
+          cp_group=None) -> dict[str, Any] | None:
+    """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content. ``cp_group``:
+    split every mesh's points over this process group (context parallelism, App. B)."""
+    trainer = Trainer(config, out_dir, data_root=data_root, resume=resume, progress=progress,
+                      cp_group=cp_group)
     return trainer.fit(stop_after=stop_after)

@@ -27,10 +27,13 @@ for _name, (_blocks, _latents, _batch, _wd) in _PAPER.items():
         doc=f"paper run on {_name} (Tables 7-8)")
 
 # CPU-sized runs: same protocol, small model, sub-sampled meshes, few samples and epochs.
+# With ~1000 optimizer steps in all, the EMA decay is 0.99 (0.999 would still weigh the
+# initial weights by ~0.4 at the end) and the peak learning rate 3e-3.
 _TINY = {
-    "darcy-tiny": dict(dataset="darcy", dataset_options=dict(resolution=22, n_train=400,
+    # ~3 minutes on 2 CPU cores; measured 5.8% test relative L2 (see the issue notes).
+    "darcy-tiny": dict(dataset="darcy", dataset_options=dict(resolution=22, n_train=200,
                                                              n_test=100),
-                       model=dict(dim=64, heads=4, blocks=3, latents=32), epochs=25,
+                       model=dict(dim=64, heads=4, blocks=3, latents=32), epochs=20,
                        batch_size=4),
     "elasticity-tiny": dict(dataset="elasticity", dataset_options=dict(n_train=200,
                                                                        n_test=50),
@@ -48,6 +51,8 @@ _TINY = {
 }
 for _name, _kw in _TINY.items():
     _kw["model"] = {"mixer": "flarepp", **_kw["model"]}
+    _kw.setdefault("lr", 3e-3)
+    _kw.setdefault("ema_decay", 0.99)
     PRESETS.add(_name, RunConfig(name=_name, data_root=f"data/{_kw['dataset']}",
                                  checkpoint_every=5, **_kw),
                 doc=f"CPU-sized run on {_kw['dataset']}")

@@ -1,0 +1,86 @@
+"""``flarepp bench cp``: context-parallel efficiency (Table 5) and streaming memory on CPU.
+
+Adds ``cp`` under the shared ``flarepp bench`` command, creating ``bench`` if no other module
+of this package has (modules register in name order, so ``bench.py`` comes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:9.1f}"
+
+
+def _bench_cp(args: argparse.Namespace) -> int:
+    from flarepp.bench.cp import context_parallel_scaling, streaming_memory
+    from flarepp.train.loop import write_json
+    settings = dict(mixer=args.mixer, in_dim=3, out_dim=1, dim=args.dim, heads=args.heads,
+                    latents=args.latents, blocks=args.blocks)
+    print(f"model {settings}; one thread per rank")
+    result = {"settings": settings}
+    if args.only in (None, "scaling"):
+        rows = context_parallel_scaling(settings, args.n_tokens, args.ranks, steps=args.steps)
+        result["scaling"] = {"n_tokens": args.n_tokens, "rows": rows}
+        print(f"\ntraining step at N={args.n_tokens} (forward, backward, gradient all-reduce)")
+        print("   R   step [s]   CPU/rank [s]   peak/rank [MiB]     E   E_cpu  E_mem")
+        for r in rows:
+            print(f"{r['ranks']:4d} {r['step_s']:10.3f} {r['cpu_s_per_rank']:14.3f} "
+                  f"{_mib(r['peak_bytes_per_rank'])}         {r['E']:5.2f}  {r['E_cpu']:5.2f}"
+                  f"  {r['E_mem']:5.2f}")
+    if args.only in (None, "streaming"):
+        rows = streaming_memory(settings, args.stream_n, args.chunk_size)
+        result["streaming"] = rows
+        print(f"\ninference peak memory, streamed in chunks of {args.chunk_size} vs unchunked")
+        print("         N   streamed [MiB]   unchunked [MiB]")
+        for r in rows:
+            print(f"{r['n_tokens']:10d} {_mib(r['stream_peak_bytes'])}        "
+                  f"{_mib(r['unchunked_peak_bytes'])}")
+    if args.json:
+        write_json(Path(args.json), result)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks (see `flarepp bench -h`)")
+        return bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for action in bench._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("`flarepp bench` exists but takes no sub-commands, so `cp` cannot be "
+                       "added to it")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = _bench_subcommands(sub).add_parser(
+        "cp", help="context-parallel scaling (Table 5) and streaming-inference memory on CPU")
+    p.add_argument("--mixer", default="flarepp")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--latents", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--n-tokens", type=int, default=65536, help="mesh size for the scaling run")
+    p.add_argument("--ranks", type=_ints, default=[1, 2],
+                   help="comma-separated rank counts; the first is the reference (default 1,2)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per rank count")
+    p.add_argument("--stream-n", type=_ints, default=[16384, 65536, 262144],
+                   help="comma-separated N for the streaming-memory table")
+    p.add_argument("--chunk-size", type=int, default=16384)
+    p.add_argument("--only", choices=["scaling", "streaming"], help="run one of the two parts")
+    p.add_argument("--json", help="also write the figures here")
+    p.set_defaults(func=_bench_cp)

@@ -1,0 +1,109 @@
+"""``flarepp infer``: full-mesh predictions of a checkpoint, streamed and/or token-sharded."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+from flarepp.cli import CLIError
+
+_AMP = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
+                                                  np.ndarray | None]:
+    """``(x, y or None, mask or None)``: an inputs-only ``.npz`` (keys ``x``, ``mask``) or a
+    split of the checkpoint's dataset read from ``--data``."""
+    from flarepp.data import load_dataset
+    path = Path(args.data)
+    if path.suffix == ".npz" and path.is_file():
+        with np.load(path) as f:
+            if "x" in f and "y" not in f:
+                mask = np.asarray(f["mask"], bool) if "mask" in f else None
+                return np.asarray(f["x"], np.float32), None, mask
+    c = tm.config
+    dataset = args.dataset or c.dataset
+    options = c.dataset_options if dataset == c.dataset else {}
+    splits = load_dataset(dataset, path, **options)
+    samples = getattr(splits, args.split)
+    return samples.x, samples.y, samples.mask
+
+
+def _write(path: Path, pred: np.ndarray, y: np.ndarray | None, mask: np.ndarray | None,
+           how: str) -> None:
+    import torch
+
+    from flarepp.train import relative_l2
+    from flarepp.train.checkpoint import atomic_write
+    arrays = {"pred": pred}
+    if y is not None:
+        m = None if mask is None else torch.from_numpy(mask)
+        arrays["rel_l2"] = relative_l2(torch.from_numpy(pred), torch.from_numpy(y), m).numpy()
+    if mask is not None:
+        arrays["mask"] = mask
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    atomic_write(path, write)
+    extra = (f"; mean relative L2 {100 * arrays['rel_l2'].mean():.3f}%"
+             if "rel_l2" in arrays else "")
+    print(f"wrote {path}: pred {list(pred.shape)} ({how}){extra}")
+
+
+def _infer(args: argparse.Namespace) -> int:
+    import torch
+
+    from flarepp.distributed import context_parallel, torchrun_process_group
+    from flarepp.distributed.inference import predict_mesh
+    from flarepp.train import load_trained_model
+    if args.chunk_size is not None and args.chunk_size <= 0:
+        raise CLIError(f"--chunk-size must be positive, got {args.chunk_size}")
+    tm = load_trained_model(args.checkpoint)
+    x, y, mask = _inputs(args, tm)
+    if x.shape[-1] != tm.model.config.in_dim:
+        raise CLIError(f"{args.data}: inputs have {x.shape[-1]} channels, the checkpoint's "
+                       f"model takes {tm.model.config.in_dim}")
+    device = args.device or ("cpu" if not torch.cuda.is_available()
+                             else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    model = tm.model.to(device)
+    amp = _AMP[tm.config.precision]
+    options = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, device=device,
+                   amp_dtype=None if amp is None else getattr(torch, amp))
+    how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
+    if not args.context_parallel:
+        _write(Path(args.out), predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, **options),
+               y, mask, how)
+        return 0
+    with torchrun_process_group(timeout_s=args.timeout) as group:
+        with context_parallel(model, group) as cp:
+            pred = predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, cp=cp, **options)
+        if group.rank() == 0:
+            _write(Path(args.out), pred, y, mask, f"{how}, {group.size()} ranks")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("infer", help="predictions of a checkpoint on whole meshes "
+                       "(streamed with --chunk-size, token-sharded with --context-parallel)")
+    p.add_argument("checkpoint")
+    p.add_argument("--data", required=True,
+                   help="the checkpoint's dataset directory, or an .npz of inputs x [S, N, in] "
+                        "(and mask [S, N]) without targets")
+    p.add_argument("--out", required=True, help="output .npz: pred [S, N, out] "
+                   "(de-normalised), rel_l2 [S] when targets are present, mask")
+    p.add_argument("--split", choices=["test", "train"], default="test")
+    p.add_argument("--dataset", help="read --data with this registered loader instead of the "
+                   "checkpoint's (e.g. npz)")
+    p.add_argument("--chunk-size", type=int, metavar="K",
+                   help="exact streaming: run K points at a time (memory set by K, not N)")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="split every mesh's points over the ranks of a torchrun launch")
+    p.add_argument("--batch-size", type=int, default=1, help="samples per forward")
+    p.add_argument("--device", help="default: cuda:LOCAL_RANK if CUDA is available, else cpu")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before a stuck collective fails (--context-parallel)")
+    p.set_defaults(func=_infer)
