@@ -405,6 +405,25 @@ def test_infer_cli_plain_streamed_and_sharded_agree(ranks_2, trained):
     for name, found in preds.items():
         assert_close(found["pred"], reference["pred"], "float32", f"infer {name}: pred")
         np.testing.assert_allclose(found["rel_l2"], reference["rel_l2"], rtol=1e-5)
+    # Inputs without targets: predictions only.
+    test = np.load(Path(trained["data"]) / "test.npz")
+    inputs = str(root / "inputs.npz")
+    np.savez(inputs, x=_padded_inputs(test), mask=preds["plain"]["mask"])
+    out = str(root / "inputs_pred.npz")
+    assert main(["infer", trained["checkpoint"], "--data", inputs, "--out", out,
+                 "--chunk-size", "5"]) == 0
+    found = np.load(out)
+    assert "rel_l2" not in found.files
+    assert_close(found["pred"], reference["pred"], "float32", "infer inputs-only: pred")
+
+
+def _padded_inputs(split) -> np.ndarray:
+    """The per-sample ``x_i`` of a user-format file, zero-padded to ``[S, N_max, in]``."""
+    xs = [split[f"x_{i}"] for i in range(len([k for k in split.files if k.startswith("x_")]))]
+    out = np.zeros((len(xs), max(len(x) for x in xs), xs[0].shape[1]), np.float32)
+    for i, x in enumerate(xs):
+        out[i, :len(x)] = x
+    return out
 
 
 def run_dying_rank(group) -> None:

@@ -12,12 +12,13 @@ Public API::
 
 from flarepp.mixers import MIXERS, Mixer, MixerConfig, build_mixer, list_mixers
 from flarepp.models import MODELS, build_model, list_models, model_from_config
+from flarepp.models.backbone import compile_model
 from flarepp.ops import decode, encode, encode_with_lse, set_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MIXERS", "MODELS", "Mixer", "MixerConfig", "build_mixer", "build_model", "decode",
-    "encode", "encode_with_lse", "list_mixers", "list_models", "model_from_config",
+    "MIXERS", "MODELS", "Mixer", "MixerConfig", "build_mixer", "build_model", "compile_model",
+    "decode", "encode", "encode_with_lse", "list_mixers", "list_models", "model_from_config",
     "set_backend",
 ]

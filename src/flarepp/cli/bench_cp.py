@@ -1,7 +1,6 @@
 """``flarepp bench cp``: context-parallel efficiency (Table 5) and streaming memory on CPU.
 
-Adds ``cp`` under the shared ``flarepp bench`` command, creating ``bench`` if no other module
-of this package has (modules register in name order, so ``bench.py`` comes first).
+Adds ``cp`` under the shared ``flarepp bench`` command (:mod:`flarepp.cli.bench`).
 """
 
 from __future__ import annotations
@@ -54,20 +53,9 @@ def _bench_cp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    bench = sub.choices.get("bench")
-    if bench is None:
-        bench = sub.add_parser("bench", help="benchmarks (see `flarepp bench -h`)")
-        return bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for action in bench._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    raise RuntimeError("`flarepp bench` exists but takes no sub-commands, so `cp` cannot be "
-                       "added to it")
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    p = _bench_subcommands(sub).add_parser(
+    from flarepp.cli.bench import bench_subparsers
+    p = bench_subparsers(sub).add_parser(
         "cp", help="context-parallel scaling (Table 5) and streaming-inference memory on CPU")
     p.add_argument("--mixer", default="flarepp")
     p.add_argument("--dim", type=int, default=128)

@@ -22,8 +22,13 @@ def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None
     if path.suffix == ".npz" and path.is_file():
         with np.load(path) as f:
             if "x" in f and "y" not in f:
+                x = np.asarray(f["x"], np.float32)
                 mask = np.asarray(f["mask"], bool) if "mask" in f else None
-                return np.asarray(f["x"], np.float32), None, mask
+                if x.ndim != 3 or (mask is not None and mask.shape != x.shape[:2]):
+                    raise CLIError(f"{path}: expected x [S, N, in] and optional mask [S, N], "
+                                   f"got x {list(x.shape)}"
+                                   + ("" if mask is None else f", mask {list(mask.shape)}"))
+                return x, None, mask
     c = tm.config
     dataset = args.dataset or c.dataset
     options = c.dataset_options if dataset == c.dataset else {}

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.models.backbone import ResidualMLP
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 
@@ -102,7 +102,8 @@ class LNO(nn.Module):
         self.mode_projector = ResidualMLP(c.dim, c.dim, c.latents, L)          # MLP_a
         self.blocks = nn.ModuleList(LatentBlock(c) for _ in range(c.blocks))
         self.out_mlp = ResidualMLP(c.dim, c.dim, c.out_dim, L)
-        init_backbone_weights(self)
+        # PyTorch's default initialisation, as in the FLARE study's LNO: the mode scores must
+        # differ across modes from the start, or every mode encodes the same mean.
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tokens(x, mask, self.config.in_dim)

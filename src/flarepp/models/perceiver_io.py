@@ -7,7 +7,8 @@ blocks, decode by letting every point query the latents:
 
 * encode: ``Z = L + SDPA(L, LN(X) W_k, LN(X) W_v) W_e`` -- the learned latent array
   ``L [M, C]`` is itself the query (a query projection of a learned array would only
-  reparameterise it), with the query residual of Perceiver;
+  reparameterise it), with the query residual of Perceiver; ``L ~ N(0, 1)`` (truncated at
+  2), the scale Perceiver's norm on the latents would give, as in the FLARE study;
 * process: ``Z <- Z + MHSA(LN(Z))``, ``Z <- Z + MLP(LN(Z))`` (MLP ratio 4);
 * decode: ``Y = SDPA(LN(X) W_q, LN(Z) W_k', LN(Z) W_v') W_d``, the point tokens as the
   output query array;
@@ -103,8 +104,9 @@ class PerceiverIO(nn.Module):
         self.backend: AttentionBackend = FUSED
         self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
         # Encoder cross-attention.
-        self.latent_array = nn.Parameter(torch.empty(c.latents, c.dim))          # L [M, C]
-        nn.init.trunc_normal_(self.latent_array, std=0.02, a=-0.04, b=0.04)
+        # L [M, C] at unit scale: it meets the keys without a query projection or norm.
+        self.latent_array = nn.Parameter(torch.empty(c.latents, c.dim))
+        nn.init.trunc_normal_(self.latent_array, std=1.0, a=-2.0, b=2.0)
         self.encode_norm = make_norm(c.norm, c.dim)
         self.encode_key_value_proj = nn.Linear(c.dim, 2 * c.dim)
         self.encode_out_proj = nn.Linear(c.dim, c.dim)

@@ -1,0 +1,98 @@
+"""``flarepp bench SUBCOMMAND``: benchmarks, one sub-subcommand each.
+
+``bench`` only groups them. A benchmark adds itself with :func:`bench_subparsers`, from any
+module of :mod:`flarepp.cli` that defines ``register(subparsers)`` (modules register in name
+order, so this one, which creates ``bench``, comes first)::
+
+    def register(sub):
+        p = bench_subparsers(sub).add_parser("cp", help="...")
+        p.add_argument(...)
+        p.set_defaults(func=_bench_cp)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+BENCH_DEST = "bench"
+
+
+def bench_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The sub-subparsers of ``flarepp bench``, creating the ``bench`` command if needed."""
+    bench = sub.choices.get("bench")
+    if bench is None:
+        bench = sub.add_parser("bench", help="benchmarks (see `flarepp bench -h`)",
+                               description="Benchmarks, one sub-command each.")
+        return bench.add_subparsers(dest=BENCH_DEST, metavar="BENCH", required=True)
+    for action in bench._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    raise RuntimeError("`flarepp bench` exists but takes no sub-commands")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    from flarepp.bench.scaling import parse_sizes
+    try:
+        return parse_sizes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _scaling(args: argparse.Namespace) -> int:
+    from flarepp.bench.scaling import ScalingConfig, ratios, run_scaling, write_outputs
+    config = ScalingConfig(
+        mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], sizes=args.n,
+        batch=args.batch, dim=args.dim, heads=args.heads, blocks=args.blocks,
+        latents=args.latents, dtype=args.dtype, device=args.device, repeats=args.repeats,
+        warmup=args.warmup, time_budget_s=args.time_budget, threads=args.threads,
+        compile=args.compile)
+    result = run_scaling(config)
+    rows = ratios(result["records"])
+    if rows:
+        print("\nFLARE++ / FLARE:      N   step time   (CPU time)   peak memory")
+        for r in rows:
+            cpu = f"{r['cpu_time_ratio']:8.3f}" if r["cpu_time_ratio"] else "       -"
+            print(f"{r['n']:>26d}   {r['time_ratio']:9.3f}   {cpu}   {r['mem_ratio']:11.3f}")
+    if args.json:
+        paths = write_outputs(result, Path(args.json))
+        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = bench_subparsers(sub).add_parser(
+        "scaling", help="step time and peak memory of complete models against N (Figure 6)",
+        description="Forward+backward step time (median after warm-up) and peak memory of "
+                    "complete models against the token count N, with achieved FLOP/s.")
+    p.add_argument("--mixers", default="attention,flare,flarepp",
+                   help="comma-separated registered mixers (default attention,flare,flarepp)")
+    p.add_argument("--n", type=_sizes, default=_sizes("1k,4k,16k"),
+                   help="comma-separated token counts, k = 1024, M = 1048576 (default 1k,4k,16k)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="fp32 (LayerNorm) or autocast to bf16/fp16 (RMSNorm), paper C.2")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--batch", type=_positive_int, default=8)
+    p.add_argument("--dim", type=_positive_int, default=128, help="channels C")
+    p.add_argument("--heads", type=_positive_int, default=8, help="heads H")
+    p.add_argument("--blocks", type=_positive_int, default=8)
+    p.add_argument("--latents", type=_positive_int, default=64, help="latents M")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
+                   help="skip a point whose steps are estimated to take longer (default 600)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads per measurement (default: torch's default)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (flarepp.compile_model); compile time is "
+                        "spent in the warm-up step")
+    p.add_argument("--json", metavar="OUT.json",
+                   help="write records here, with OUT.csv and OUT.png beside it")
+    p.set_defaults(func=_scaling)

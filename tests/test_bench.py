@@ -1,0 +1,137 @@
+"""The scaling benchmark: size parser, FLOP count, skip logic, records and outputs.
+
+Tiny settings only (C=16, one block, N <= 4096); no timing assertions.
+"""
+
+import csv
+import json
+
+import pytest
+from torch import nn
+
+import flarepp
+from flarepp.bench.flops import model_flops, sdpa_flops
+from flarepp.bench.scaling import (RECORD_KEYS, ScalingConfig, parse_size, parse_sizes,
+                                   ratios, run_scaling, skip_reason, write_outputs)
+from flarepp.cli import build_parser
+
+TINY = dict(batch=1, dim=16, heads=2, blocks=1, latents=4, in_dim=2, out_dim=1, repeats=1,
+            warmup=0, peak_matmul_size=128)
+
+
+def test_parse_size():
+    """k and M are binary (1k = 1024, 1M = 2^20); a parser bug shifts every point of a sweep."""
+    assert parse_size("1k") == 1024 and parse_size("16K") == 16384
+    assert parse_size("1M") == 2 ** 20 and parse_size("4096") == 4096
+    assert parse_size("1.5k") == 1536
+    assert parse_sizes("1k, 4k,64k") == [1024, 4096, 65536]
+    for bad in ("abc", "0", "-1k", "1.3", "k"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+def test_flop_count_hand_computed():
+    """FLARE, C=16, M=4, one block, io_layers=2, r=2, N=10, B=3, counted by hand:
+    input MLP 2*10*2*16 + 2*(2*10*16*16) + 2*10*16*16 = 640 + 10240 + 5120 = 16000;
+    output MLP 5120 + 10240 + 2*10*16*1 = 15680; FFN 2 * 2*10*16*32 = 20480;
+    mixer [K|V] 10240 + W_O 5120 + encode/decode 2 * 4*4*10*16 = 5120 -> 20480.
+    Forward per sample 72640, times B=3 = 217920; step = 3 x forward. A failure means the
+    documented counting rule and the code disagree."""
+    settings = dict(mixer="flare", in_dim=2, out_dim=1, dim=16, heads=2, blocks=1, latents=4)
+    counts = model_flops(settings, n_tokens=10, batch=3)
+    assert counts["forward"] == 217920
+    assert counts["backward"] == 2 * 217920 and counts["step"] == 3 * 217920
+
+
+@pytest.mark.parametrize("mixer", ["attention", "flare", "flarepp", "flarepp-simple"])
+def test_flop_count_matches_the_models_linear_layers(mixer):
+    """The matmul part of the count equals 2 N in out summed over every nn.Linear of the
+    built model, plus the SDPA calls of the mixer: a failure means the formula no longer
+    describes the model (a projection added, io_layers or the FFN ratio changed)."""
+    n, batch, c, m, blocks = 50, 2, 16, 4, 2
+    settings = dict(mixer=mixer, in_dim=3, out_dim=2, dim=c, heads=2, blocks=blocks, latents=m)
+    model = flarepp.build_model(**settings)
+    linear = sum(2 * n * mod.in_features * mod.out_features
+                 for mod in model.modules() if isinstance(mod, nn.Linear))
+    calls = {"attention": sdpa_flops(n, n, c), "flare": 2 * sdpa_flops(m, n, c)}.get(
+        mixer, 3 * sdpa_flops(m, n, c))  # FLARE++ variants: three encode/decode calls
+    expected = batch * (linear + blocks * calls)
+    assert model_flops(settings, n, batch)["forward"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_skip_reasons_name_the_limit():
+    """A point that would not fit or take too long is skipped with its reason stated."""
+    config = ScalingConfig(mixers=["flare"], sizes=[256], time_budget_s=10.0, **TINY)
+    memory = skip_reason(config, est_memory=8 * 2 ** 30, est_time=1.0, available=4 * 2 ** 30)
+    assert memory.startswith("skipped:") and "GiB" in memory and "available" in memory
+    slow = skip_reason(config, est_memory=1.0, est_time=100.0, available=4 * 2 ** 30)
+    assert slow.startswith("skipped:") and "time budget" in slow
+    assert skip_reason(config, est_memory=1.0, est_time=1.0, available=4 * 2 ** 30) is None
+
+
+def test_sweep_in_process_records_and_skips(tmp_path):
+    """One measured point (flare, N=256) and one skipped for time: every record has the
+    required keys, the measured one a step time, FLOPs and FLOP/s, the skipped one a reason;
+    the JSON, CSV and plot are written."""
+    config = ScalingConfig(mixers=["flare", "flarepp"], sizes=[256], isolate=False, **TINY)
+    result = run_scaling(config, log=lambda s: None)
+    records = result["records"]
+    assert [r["mixer"] for r in records] == ["flare", "flarepp"]
+    for r in records:
+        assert set(RECORD_KEYS) <= set(r), set(RECORD_KEYS) - set(r)
+        assert r["status"] == "ok", r["status"]
+        assert r["time_s"] > 0 and r["flops"] > 0 and r["achieved_flops_per_s"] > 0
+        assert r["fraction_of_peak"] == pytest.approx(
+            r["achieved_flops_per_s"] / result["machine"]["peak_flops_per_s"])
+    assert ratios(records)[0]["n"] == 256
+
+    tight = ScalingConfig(mixers=["flare"], sizes=[4096], isolate=False, time_budget_s=1e-9,
+                          **TINY)
+    skipped = run_scaling(tight, log=lambda s: None)["records"][0]
+    assert skipped["status"].startswith("skipped:") and "time budget" in skipped["status"]
+    assert skipped["time_s"] is None and skipped["estimated_time_s"] > 0
+
+    paths = write_outputs({**result, "records": records + [skipped]}, tmp_path / "s.json")
+    saved = json.loads(paths["json"].read_text())
+    assert len(saved["records"]) == 3 and saved["flarepp_over_flare"][0]["n"] == 256
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"][:7] for r in rows] == ["ok", "ok", "skipped"]
+    assert paths["png"].stat().st_size > 0
+
+
+def test_cpu_point_in_fresh_interpreter():
+    """The default CPU path: the point runs in its own interpreter and reports the growth
+    of its resident set during the step (0 would mean the probe measured nothing)."""
+    config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, **TINY)
+    (record,) = run_scaling(config, log=lambda s: None)["records"]
+    assert record["status"] == "ok", record["status"]
+    assert record["peak_mem_bytes"] > 0 and "VmHWM" in record["mem_method"]
+    assert record["threads"] == 1 and record["params"] > 0
+
+
+def test_cli_parses_bench_scaling():
+    """`flarepp bench scaling` parses the issue's command line, sizes with k/M suffixes."""
+    args = build_parser().parse_args(
+        ["bench", "scaling", "--mixers", "attention,flare,flarepp", "--n", "1k,4k,1M",
+         "--dtype", "bf16", "--device", "cpu", "--json", "out.json", "--batch", "2",
+         "--repeats", "3", "--time-budget", "60"])
+    assert args.n == [1024, 4096, 2 ** 20] and args.dtype == "bf16" and args.batch == 2
+    assert args.time_budget == 60.0 and args.json == "out.json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "scaling", "--n", "4q"])
+
+
+def test_unknown_mixer_is_named():
+    """A typo in --mixers fails before any measurement, listing the known mixers."""
+    with pytest.raises(ValueError, match="known mixers"):
+        ScalingConfig(mixers=["flare", "flarepp++"], **TINY)
+
+
+def test_bf16_autocast_point_runs():
+    """Mixed precision runs the model under autocast with RMSNorm (C.2) and measures it."""
+    config = ScalingConfig(mixers=["flarepp"], sizes=[128], dtype="bf16", isolate=False,
+                           **TINY)
+    assert config.model_settings("flarepp")["norm"] == "rmsnorm"
+    (record,) = run_scaling(config, log=lambda s: None)["records"]
+    assert record["status"] == "ok" and record["dtype"] == "bf16"
