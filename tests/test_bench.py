@@ -73,13 +73,15 @@ def test_sweep_in_process_records_and_skips(tmp_path):
     """One measured point (flare, N=256) and one skipped for time: every record has the
     required keys, the measured one a step time, FLOPs and FLOP/s, the skipped one a reason;
     the JSON, CSV and plot are written."""
-    config = ScalingConfig(mixers=["flare", "flarepp"], sizes=[256], isolate=False, **TINY)
+    config = ScalingConfig(mixers=["flare", "flarepp"], sizes=[256], isolate=False, rounds=2,
+                           **TINY)
     result = run_scaling(config, log=lambda s: None)
     records = result["records"]
     assert [r["mixer"] for r in records] == ["flare", "flarepp"]
     for r in records:
         assert set(RECORD_KEYS) <= set(r), set(RECORD_KEYS) - set(r)
         assert r["status"] == "ok", r["status"]
+        assert len(r["times_s"]) == 2 * config.repeats  # both rounds pooled
         assert r["time_s"] > 0 and r["flops"] > 0 and r["achieved_flops_per_s"] > 0
         assert r["fraction_of_peak"] == pytest.approx(
             r["achieved_flops_per_s"] / result["machine"]["peak_flops_per_s"])
@@ -103,9 +105,11 @@ def test_sweep_in_process_records_and_skips(tmp_path):
 def test_cpu_point_in_fresh_interpreter():
     """The default CPU path: the point runs in its own interpreter and reports the growth
     of its resident set during the step (0 would mean the probe measured nothing)."""
-    config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, **TINY)
+    config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, retain_memory=True,
+                           **TINY)
     (record,) = run_scaling(config, log=lambda s: None)["records"]
     assert record["status"] == "ok", record["status"]
+    assert record["malloc"] == "retain"
     assert record["peak_mem_bytes"] > 0 and "VmHWM" in record["mem_method"]
     assert record["threads"] == 1 and record["params"] > 0
 
@@ -122,10 +126,15 @@ def test_cli_parses_bench_scaling():
         build_parser().parse_args(["bench", "scaling", "--n", "4q"])
 
 
-def test_unknown_mixer_is_named():
-    """A typo in --mixers fails before any measurement, listing the known mixers."""
+def test_config_errors_are_named():
+    """A typo in --mixers fails before any measurement, listing the known mixers; so do
+    settings that cannot work together."""
     with pytest.raises(ValueError, match="known mixers"):
         ScalingConfig(mixers=["flare", "flarepp++"], **TINY)
+    with pytest.raises(ValueError, match="retain_memory"):
+        ScalingConfig(retain_memory=True, isolate=False, **TINY)
+    with pytest.raises(ValueError, match="warmup"):
+        ScalingConfig(compile=True, **{**TINY, "warmup": 0})
 
 
 def test_bf16_autocast_point_runs():

@@ -23,6 +23,18 @@ point uses a prior of ``PRIOR_FLOATS_PER_TOKEN_PER_BLOCK`` saved floats of width
 ``PRIOR_PEAK_FRACTION`` of the matmul peak. A point that fails anyway (out of memory, worker
 killed or timed out) is recorded as ``failed: ...``; the sweep goes on.
 
+``rounds`` > 1 measures every point that many times, round-robin over the mixers at each N
+(a fresh interpreter each time on CPU), and pools the timed steps: on a shared machine the
+load drifts over seconds to minutes, and interleaving keeps the mixers' ratios fair.
+
+``retain_memory`` (CPU) runs the workers with glibc's malloc told to keep freed memory
+(:data:`RETAIN_MEMORY_ENV`), as CUDA's caching allocator does. By default glibc serves
+every allocation above its mmap threshold (raised as it goes, to at most 32 MiB) with a
+fresh ``mmap`` and unmaps it when freed, so each step page-faults and zeroes its large
+activations again; at N = 64k that costs about a third of the step on the 2-core
+development machine. Peak resident memory is then somewhat higher
+(freed memory is kept, fragmentation included).
+
 FP32 runs use LayerNorm and no autocast; ``bf16`` / ``fp16`` runs use RMSNorm and autocast
 to that dtype with FP32 weights, as the paper's mixed-precision runs (C.2).
 """
@@ -33,6 +45,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -52,11 +65,16 @@ SIZE_SUFFIXES = {"": 1, "k": 2 ** 10, "m": 2 ** 20}
 PRIOR_FLOATS_PER_TOKEN_PER_BLOCK = 32  # measured ~16 (FLARE), ~21 (FLARE++) in FP32 on CPU
 PRIOR_PEAK_FRACTION = 0.2
 SAFETY = 1.3  # margin on extrapolated memory and time
-RECORD_KEYS = ("mixer", "n", "batch", "dtype", "device", "compile", "threads", "status",
-               "time_s", "cpu_time_s", "times_s", "peak_mem_bytes", "baseline_mem_bytes",
-               "mem_method", "flops", "flops_forward", "achieved_flops_per_s",
-               "fraction_of_peak", "peak_flops_per_s", "params", "estimated_time_s",
-               "estimated_mem_bytes")
+RETAIN_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
+"""glibc settings of ``retain_memory`` workers: no mmap'd chunks and no trimming, so memory
+freed in one step is reused by the next instead of being returned and faulted in again."""
+RECORD_KEYS = ("mixer", "n", "batch", "dtype", "device", "compile", "threads", "malloc",
+               "status", "time_s", "cpu_time_s", "times_s", "cpu_times_s", "peak_mem_bytes",
+               "baseline_mem_bytes", "mem_method", "flops", "flops_forward",
+               "achieved_flops_per_s", "fraction_of_peak", "peak_flops_per_s", "params",
+               "estimated_time_s", "estimated_mem_bytes")
+"""Fields of every record (JSON and CSV); ``time_s`` is the step's wall time, ``cpu_time_s``
+this process's CPU time over it, ``flops`` the forward + backward count."""
 
 
 def parse_size(text: str) -> int:
@@ -103,6 +121,8 @@ class ScalingConfig:
     memory_fraction: float = 0.8
     threads: int | None = None
     compile: bool = False
+    rounds: int = 1
+    retain_memory: bool = False
     isolate: bool = True  # CPU: one fresh interpreter per point (False: in-process, tests)
     peak_matmul_size: int | None = None  # side of the GEMMs of matmul_peak (None: default)
 
@@ -115,6 +135,13 @@ class ScalingConfig:
             raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
         if self.repeats < 1 or self.warmup < 0 or self.batch < 1:
             raise ValueError(f"need repeats >= 1, warmup >= 0, batch >= 1; got {self}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.retain_memory and not (self.device == "cpu" and self.isolate):
+            raise ValueError("retain_memory sets the C allocator of the CPU worker processes; "
+                             "it needs device='cpu' and isolate=True")
+        if self.compile and self.warmup < 1:
+            raise ValueError("compile=True needs warmup >= 1: the first step compiles")
         from flarepp.mixers import MIXERS
         for name in self.mixers:
             MIXERS.entry(name)  # unknown names raise, listing the known ones
@@ -187,7 +214,7 @@ def measure_point(config: ScalingConfig, mixer: str, n: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu_start)
     return {"time_s": statistics.median(times), "times_s": times,
-            "cpu_time_s": statistics.median(cpu_times),
+            "cpu_time_s": statistics.median(cpu_times), "cpu_times_s": cpu_times,
             "peak_mem_bytes": mem.peak, "baseline_mem_bytes": mem.baseline,
             "mem_method": mem.method, "threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in model.parameters())}
@@ -211,10 +238,11 @@ def _in_fresh_interpreter(config: ScalingConfig, job: dict[str, Any], timeout_s:
                           ) -> dict[str, Any]:
     """Run ``job`` through :func:`worker_main` in a new interpreter; raise ``RuntimeError``
     with a one-line reason if it fails, is killed or runs past ``timeout_s``."""
-    job = {**job, "config": {**config.to_dict(), "isolate": False}}
+    job = {**job, "config": {**config.to_dict(), "isolate": False, "retain_memory": False}}
     code = "from flarepp.bench.scaling import worker_main; worker_main()"
+    env = {**os.environ, **(RETAIN_MEMORY_ENV if config.retain_memory else {})}
     try:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)],
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"worker ran past its {timeout_s:.0f} s timeout") from None
@@ -229,8 +257,9 @@ def _in_fresh_interpreter(config: ScalingConfig, job: dict[str, Any], timeout_s:
 
 # ----------------------------------------------------------------------------- estimating
 
-def estimate_point(config: ScalingConfig, mixer: str, n: int, flops: float | None,
-                   previous: dict[str, Any] | None, peak_flops: float) -> tuple[float, float | None]:
+def estimate_point(config: ScalingConfig, n: int, flops: float | None,
+                   previous: dict[str, Any] | None, peak_flops: float
+                   ) -> tuple[float, float | None]:
     """``(memory bytes, seconds for all steps or None)`` expected for a point.
 
     From ``previous`` (the last measured point of the same mixer): memory scaled by the
@@ -280,10 +309,25 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
     records: list[dict[str, Any]] = []
     last: dict[str, dict[str, Any]] = {}
     for n in sorted(config.sizes):
+        pending = {}
         for mixer in config.mixers:
-            record = _run_one(config, mixer, n, last.get(mixer), peak, dev)
+            record = _plan(config, mixer, n, last.get(mixer), peak, dev)
+            if record["status"] is None:
+                pending[mixer] = record
+            else:
+                log(format_record(record))
             records.append(record)
-            if record["status"] == "ok":
+        results: dict[str, list[dict[str, Any]]] = {m: [] for m in pending}
+        for _ in range(config.rounds):  # round-robin: mixers side by side, each round
+            for mixer, record in pending.items():
+                if record["status"] is None:
+                    try:
+                        results[mixer].append(_measure(config, mixer, n, record, dev))
+                    except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
+                        record["status"] = f"failed: {str(err).splitlines()[0]}"
+        for mixer, record in pending.items():
+            if record["status"] is None:
+                _finish(record, results[mixer], peak)
                 last[mixer] = record
             log(format_record(record))
     return {"machine": machine, "config": config.to_dict(), "records": records}
@@ -304,38 +348,49 @@ def _machine(config: ScalingConfig) -> dict[str, Any]:
             "peak_flops_per_s": peak, "peak_dtype": config.dtype}
 
 
-def _run_one(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | None,
-             peak: float, dev: torch.device) -> dict[str, Any]:
+def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | None,
+          peak: float, dev: torch.device) -> dict[str, Any]:
+    """A new record with its FLOP count and estimates; ``status`` is the skip reason, or
+    ``None`` when the point is to be measured."""
     record: dict[str, Any] = {k: None for k in RECORD_KEYS}
     record.update(mixer=mixer, n=n, batch=config.batch, dtype=config.dtype,
-                  device=config.device, compile=config.compile, peak_flops_per_s=peak)
+                  device=config.device, compile=config.compile, peak_flops_per_s=peak,
+                  malloc="retain" if config.retain_memory else "system")
     if mixer in MIXER_FLOPS:  # otherwise the FLOP fields stay empty and time scales with N
         counts = model_flops(config.model_settings(mixer), n, config.batch)
         record.update(flops=counts["step"], flops_forward=counts["forward"])
-    est_mem, est_time = estimate_point(config, mixer, n, record["flops"], previous, peak)
+    est_mem, est_time = estimate_point(config, n, record["flops"], previous, peak)
     record.update(estimated_mem_bytes=est_mem, estimated_time_s=est_time)
-    reason = skip_reason(config, est_mem, est_time, available_bytes(dev))
-    if reason:
-        record["status"] = reason
-        return record
+    record["status"] = skip_reason(config, est_mem, est_time, available_bytes(dev))
+    return record
+
+
+def _measure(config: ScalingConfig, mixer: str, n: int, record: dict[str, Any],
+             dev: torch.device) -> dict[str, Any]:
+    """One round of one point: in a fresh interpreter on CPU, in this process on CUDA."""
+    if dev.type == "cpu" and config.isolate:
+        timeout = 60 + 3 * max(record["estimated_time_s"] or 0.0, config.time_budget_s)
+        return _in_fresh_interpreter(config, {"kind": "point", "mixer": mixer, "n": n}, timeout)
     try:
-        if dev.type == "cpu" and config.isolate:
-            timeout = 60 + 3 * max(est_time or 0.0, config.time_budget_s)
-            result = _in_fresh_interpreter(config, {"kind": "point", "mixer": mixer, "n": n},
-                                           timeout)
-        else:
-            result = measure_point(config, mixer, n)
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
-        record["status"] = f"failed: {str(err).splitlines()[0]}"
+        return measure_point(config, mixer, n)
+    finally:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        return record
-    record.update(result)
+
+
+def _finish(record: dict[str, Any], rounds: list[dict[str, Any]], peak: float) -> None:
+    """Pool the rounds: median over every timed step, the largest peak memory."""
+    record.update({k: rounds[-1][k] for k in ("baseline_mem_bytes", "mem_method", "threads",
+                                             "params")})
+    record["times_s"] = [t for r in rounds for t in r["times_s"]]
+    record["cpu_times_s"] = [t for r in rounds for t in r["cpu_times_s"]]
+    record["time_s"] = statistics.median(record["times_s"])
+    record["cpu_time_s"] = statistics.median(record["cpu_times_s"])
+    record["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in rounds)
     record["status"] = "ok"
     if record["flops"]:
         record["achieved_flops_per_s"] = record["flops"] / record["time_s"]
         record["fraction_of_peak"] = record["achieved_flops_per_s"] / peak
-    return record
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -381,8 +436,9 @@ def write_outputs(result: dict[str, Any], json_path: Path) -> dict[str, Path]:
         writer.writeheader()
         for r in result["records"]:
             row = {k: r.get(k) for k in RECORD_KEYS}
-            if row["times_s"] is not None:
-                row["times_s"] = ";".join(f"{t:.6g}" for t in row["times_s"])
+            for key in ("times_s", "cpu_times_s"):
+                if row[key] is not None:
+                    row[key] = ";".join(f"{t:.6g}" for t in row[key])
             writer.writerow(row)
     png_path = json_path.with_suffix(".png")
     plot_scaling(result["records"], png_path)

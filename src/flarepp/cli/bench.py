@@ -53,7 +53,7 @@ def _scaling(args: argparse.Namespace) -> int:
         batch=args.batch, dim=args.dim, heads=args.heads, blocks=args.blocks,
         latents=args.latents, dtype=args.dtype, device=args.device, repeats=args.repeats,
         warmup=args.warmup, time_budget_s=args.time_budget, threads=args.threads,
-        compile=args.compile)
+        compile=args.compile, rounds=args.rounds, retain_memory=args.retain_memory)
     result = run_scaling(config)
     rows = ratios(result["records"])
     if rows:
@@ -86,8 +86,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latents", type=_positive_int, default=64, help="latents M")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="measure each point this many times, round-robin over the mixers, "
+                        "and pool the steps (for a shared, noisy machine)")
     p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
-                   help="skip a point whose steps are estimated to take longer (default 600)")
+                   help="skip a point whose steps (one round) are estimated to take longer "
+                        "(default 600)")
+    p.add_argument("--retain-memory", action="store_true",
+                   help="CPU: workers keep freed memory for reuse (glibc: no mmap, no trim) "
+                        "instead of faulting it in again every step")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads per measurement (default: torch's default)")
     p.add_argument("--compile", action="store_true",

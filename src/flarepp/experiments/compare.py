@@ -27,6 +27,7 @@ import numpy as np
 
 from flarepp.experiments.comparison import (COMPARISON_MODELS, TABLE1_ORDER,
                                             comparison_model_kwargs)
+from flarepp.mixers.abupt import AnchorAttentionConfig
 
 RESULT_FIELDS = ["model", "label", "dataset", "seed", "test_rel_l2", "train_rel_l2",
                  "params", "seconds", "epochs", "n_points"]
@@ -159,9 +160,16 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
             cells.append(text)
         lines.append("| " + " | ".join([label] + cells) + " |")
     n = sorted(set(seeds.values()))
+    spread = ("a single seed" if n == [1] else
+              f"mean ± sample std over {'/'.join(map(str, n))} seeds")
     lines.append("")
-    lines.append(f"Test relative L2 error in %, mean ± sample std over {'/'.join(map(str, n))} "
-                 "seed(s); bold and underline: best and second-best efficient model.")
+    lines.append(f"Test relative L2 error in %, {spread}; bold and underline: best and "
+                 "second-best efficient model.")
+    anchors = AnchorAttentionConfig.anchors
+    small = [d for d in datasets if points[d] <= anchors]
+    if "abupt" in models and small:
+        lines.append(f"AB-UPT keeps its {anchors} anchors (Table 9): on {', '.join(small)} "
+                     "every point is an anchor, so it computes full self-attention there.")
     lines.append("")
     lines.append("| Model | " + " | ".join(f"{d} params (M)" for d in datasets) + " |")
     lines.append("| --- | " + " | ".join("---" for _ in datasets) + " |")

@@ -38,7 +38,9 @@ class FLARE(Mixer):
     def __init__(self, config: MixerConfig) -> None:
         super().__init__(config)
         c = config
-        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim))  # Q_f [H, M, D]
+        # Q_f [H, M, D] ~ N(0, 0.1^2) as in the FLARE study (FACTS.md 3); FLARE++ keeps its
+        # reference implementation's N(0, 0.02^2) for Q_f and the seeds.
+        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim), std=0.1)
         self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
         self.out_proj = near_identity_linear(c.dim)                          # W_O
 

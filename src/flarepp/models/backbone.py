@@ -118,14 +118,17 @@ class SurrogateModel(nn.Module):
         super().__init__()
         self.config = c = config
         self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
-        self.blocks = nn.ModuleList(
-            Block(build_mixer(c.mixer, dim=c.dim, heads=c.heads, latents=c.latents,
-                              norm=c.norm, attn_scale=c.attn_scale, **c.mixer_options),
-                  c.dim, c.norm, c.ffn_ratio)
-            for _ in range(c.blocks))
+        self.blocks = nn.ModuleList(self.make_block() for _ in range(c.blocks))
         self.out_norm = make_norm(c.norm, c.dim)
         self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
         init_backbone_weights(self)
+
+    def make_block(self) -> nn.Module:
+        """One residual block; architectures that replace the block override this."""
+        c = self.config
+        mixer = build_mixer(c.mixer, dim=c.dim, heads=c.heads, latents=c.latents, norm=c.norm,
+                            attn_scale=c.attn_scale, **c.mixer_options)
+        return Block(mixer, c.dim, c.norm, c.ffn_ratio)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tokens(x, mask, self.config.in_dim)

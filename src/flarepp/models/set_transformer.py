@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.models.backbone import SurrogateModel
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 
@@ -128,26 +127,10 @@ class SetAttentionBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class SetTransformer(nn.Module):
-    """``[B, N, in_dim] -> [B, N, out_dim]`` with B ISAB blocks."""
+class SetTransformer(SurrogateModel):
+    """``[B, N, in_dim] -> [B, N, out_dim]``: the shared backbone with B ISAB blocks."""
 
     config_cls = SetTransformerConfig
 
-    def __init__(self, config: SetTransformerConfig) -> None:
-        super().__init__()
-        self.config = c = config
-        self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
-        self.blocks = nn.ModuleList(SetAttentionBlock(c) for _ in range(c.blocks))
-        self.out_norm = make_norm(c.norm, c.dim)
-        self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
-        init_backbone_weights(self)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.in_dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
-        h = self.in_proj(x)
-        for block in self.blocks:
-            h = block(h, mask)
-        y = self.out_proj(self.out_norm(h))
-        return y if mask is None else y.masked_fill(~mask[..., None], 0.0)
+    def make_block(self) -> nn.Module:
+        return SetAttentionBlock(self.config)
