@@ -1,0 +1,23 @@
+"""Datasets: loaders for the public benchmarks, a user format and PDE data generators."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flarepp.data.base import DataError, DatasetSplits, MeshSamples, Normalizer
+from flarepp.data.registry import DATASETS
+
+
+def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
+    """Load registered dataset ``name`` from ``root`` (a directory or file) and validate it."""
+    from flarepp.data import loaders  # noqa: F401  (registers the loaders)
+    loader = DATASETS.get(name)
+    root = Path(root)
+    if not root.exists():
+        raise DataError(f"data path {str(root)!r} does not exist (dataset {name!r})")
+    return loader(root, **options).validate()
+
+
+__all__ = ["DATASETS", "DataError", "DatasetSplits", "MeshSamples", "Normalizer",
+           "load_dataset"]

@@ -1,0 +1,146 @@
+"""In-memory mesh datasets: the contract between loaders, generators and the trainer.
+
+Shape letters: S samples, N points (tokens) per sample, I input and O output channels,
+G coordinate dimensions. Meshes of different N are padded to a common N with a mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Bad or missing data; the message names the file, the key and what was expected."""
+
+
+@dataclass
+class MeshSamples:
+    """``S`` samples as float32 arrays.
+
+    ``x [S, N, I]`` inputs, ``y [S, N, O]`` targets, ``mask [S, N]`` bool (True = real point)
+    or ``None`` when every sample has all N points, ``coords [S, N, G]`` point positions for
+    plots (``None``: use the first G input channels), ``grid_shape`` the ``(n1, n2)``
+    row-major layout of the N points of a structured mesh, or ``None`` for point clouds.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    mask: np.ndarray | None = None
+    coords: np.ndarray | None = None
+    grid_shape: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def n_points(self) -> int:
+        return int(self.x.shape[1])
+
+    def validate(self, source: str) -> "MeshSamples":
+        """Check shapes, dtypes and finiteness; ``source`` names the file(s) in errors."""
+        if self.x.ndim != 3:
+            raise DataError(f"{source}: x must be [S, N, in], got shape {list(self.x.shape)}")
+        if self.y.ndim != 3:
+            raise DataError(f"{source}: y must be [S, N, out], got shape {list(self.y.shape)}")
+        if self.x.shape[:2] != self.y.shape[:2]:
+            raise DataError(f"{source}: x {list(self.x.shape)} and y {list(self.y.shape)} "
+                            "disagree on samples or points [S, N]")
+        if self.mask is not None:
+            if self.mask.shape != self.x.shape[:2]:
+                raise DataError(f"{source}: mask must be [S, N] = {list(self.x.shape[:2])}, "
+                                f"got {list(self.mask.shape)}")
+            self.mask = self.mask.astype(bool)
+            if not self.mask.any(axis=1).all():
+                bad = int(np.flatnonzero(~self.mask.any(axis=1))[0])
+                raise DataError(f"{source}: sample {bad} has no real point (mask all False)")
+        valid = np.ones(self.x.shape[:2], bool) if self.mask is None else self.mask
+        for key in ("x", "y"):
+            arr = getattr(self, key)
+            if not np.isfinite(arr[valid]).all():
+                s, n = np.argwhere(~np.isfinite(arr) & valid[..., None])[0][:2]
+                raise DataError(f"{source}: {key} holds NaN or inf (first at sample {s}, "
+                                f"point {n})")
+        if self.coords is not None and self.coords.shape[:2] != self.x.shape[:2]:
+            raise DataError(f"{source}: coords must be [S, N, dims] matching x, got "
+                            f"{list(self.coords.shape)}")
+        if self.grid_shape is not None and int(np.prod(self.grid_shape)) != self.n_points:
+            raise DataError(f"{source}: grid {self.grid_shape} does not hold N={self.n_points}")
+        self.x = np.ascontiguousarray(self.x, dtype=np.float32)
+        self.y = np.ascontiguousarray(self.y, dtype=np.float32)
+        return self
+
+    def subset(self, index: Any) -> "MeshSamples":
+        pick = (lambda a: None if a is None else a[index])
+        return MeshSamples(self.x[index], self.y[index], pick(self.mask), pick(self.coords),
+                           self.grid_shape)
+
+
+@dataclass
+class DatasetSplits:
+    """A benchmark's train and test splits plus what plots need to label fields."""
+
+    name: str
+    train: MeshSamples
+    test: MeshSamples
+    field_names: list[str] = field(default_factory=lambda: ["u"])
+    units: str = "dimensionless"
+    source: str = ""
+
+    @property
+    def in_dim(self) -> int:
+        return int(self.train.x.shape[-1])
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.train.y.shape[-1])
+
+    def validate(self) -> "DatasetSplits":
+        self.train.validate(f"{self.source or self.name} (train split)")
+        self.test.validate(f"{self.source or self.name} (test split)")
+        for key, a, b in (("inputs", self.train.x, self.test.x),
+                          ("outputs", self.train.y, self.test.y)):
+            if a.shape[-1] != b.shape[-1]:
+                raise DataError(f"{self.source or self.name}: train and test {key} have "
+                                f"{a.shape[-1]} and {b.shape[-1]} channels")
+        return self
+
+
+@dataclass
+class Normalizer:
+    """One mean and std per channel, fitted on real points of the training split only."""
+
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def fit(cls, arr_SNK: np.ndarray, mask_SN: np.ndarray | None = None,
+            eps: float = 1e-8) -> "Normalizer":
+        flat = arr_SNK.reshape(-1, arr_SNK.shape[-1])
+        if mask_SN is not None:
+            flat = flat[mask_SN.reshape(-1)]
+        flat = flat.astype(np.float64)
+        return cls(flat.mean(0).astype(np.float32),
+                   np.maximum(flat.std(0), eps).astype(np.float32))
+
+    def encode(self, a):
+        return (a - self._like(self.mean, a)) / self._like(self.std, a)
+
+    def decode(self, a):
+        return a * self._like(self.std, a) + self._like(self.mean, a)
+
+    @staticmethod
+    def _like(stat: np.ndarray, a):
+        if isinstance(a, np.ndarray):
+            return stat
+        import torch
+        return torch.as_tensor(stat, dtype=a.dtype, device=a.device)
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {"mean": self.mean.tolist(), "std": self.std.tolist()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, list[float]]) -> "Normalizer":
+        return cls(np.asarray(state["mean"], np.float32), np.asarray(state["std"], np.float32))

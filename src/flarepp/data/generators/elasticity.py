@@ -1,0 +1,194 @@
+"""Linear elasticity of a unit cell with a random void: the Elasticity benchmark's task, made here.
+
+The public benchmark (Geo-FNO; paper Section C.1, Table 6) maps the 972-point cloud of a unit
+cell with a central void of random shape to the von Mises stress at those points. Its
+release used a hyperelastic material; this generator solves the linear analogue:
+
+* **Geometry**: the square ``[0, 1]^2`` minus a star-shaped void centred at ``(1/2, 1/2)``
+  with radius ``r(theta) = 0.2 + 0.2 / (1 + exp(g(theta)))`` in ``(0.2, 0.4)``, where
+  ``g(theta) = c_0 + sum_{k=1}^{8} a_k cos(k theta) + b_k sin(k theta)`` and
+  ``c_0, a_k, b_k ~ N(0, (2 / (1 + k^2))^2)`` (a smooth random periodic function).
+* **Material**: isotropic, Young's modulus ``E = 1``, Poisson ratio ``nu = 0.3``, plane strain.
+* **Boundary conditions**: bottom edge clamped (``u = 0``); uniform tension traction
+  ``t = (0, 1)`` on the top edge; the sides and the void are traction-free. Equilibrium
+  ``div sigma = 0`` with ``sigma = lambda tr(eps) I + 2 mu eps``, ``eps = sym grad u``.
+  With traction loading the stress does not depend on ``E``, and it is stated in units of the
+  applied traction (dimensionless).
+* **Discretisation**: a quality Delaunay triangulation (``triangle``, minimum angle 30 deg)
+  with at least 972 vertices, P1 Lagrange elements (scikit-fem, one-point quadrature, exact
+  for constant strains), a sparse direct solve. Element stresses are averaged to the vertices
+  weighted by element area; the von Mises stress at a vertex is
+  ``sqrt(((sxx - syy)^2 + (syy - szz)^2 + (szz - sxx)^2) / 2 + 3 sxy^2)`` with
+  ``szz = nu (sxx + syy)`` (plane strain).
+* **Points**: all boundary vertices (outer square and void) plus a random subset of interior
+  vertices, 972 in all, in mesh order.
+
+Files follow the Geo-FNO release: ``Random_UnitCell_sigma_10.npy`` ``[972, S]`` and
+``Random_UnitCell_XY_10.npy`` ``[972, 2, S]`` (float32), ``S = n_train + n_test``, train
+samples first, so the ``elasticity`` loader (first ``n_train``, last ``n_test``) reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from flarepp.data.generators._io import refuse_existing, write_atomically
+from flarepp.data.loaders import ELASTICITY_POINTS as N_POINTS
+from flarepp.data.loaders import ELASTICITY_SIGMA_FILE as SIGMA_FILE
+from flarepp.data.loaders import ELASTICITY_XY_FILE as XY_FILE
+
+YOUNG_MODULUS = 1.0
+POISSON_RATIO = 0.3
+TRACTION = 1.0
+VOID_MODES = 8
+SIDE_SEGMENTS = 28       # boundary vertices per side of the square
+VOID_SEGMENTS = 72       # boundary vertices on the void
+MESH_VERTICES = 1060     # aimed-for vertex count before choosing 972 (at least 972)
+TRAIN_SPLIT, TEST_SPLIT = 0, 1
+
+
+def _require_mesh_packages():
+    try:
+        import skfem
+        import triangle
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"the elasticity generator needs scikit-fem and triangle ({err.name} is missing): "
+            "pip install 'flarepp[mesh]'") from err
+    return skfem, triangle
+
+
+def void_radius(theta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Random star-shaped void radius ``r(theta)`` in ``(0.2, 0.4)`` (module docstring)."""
+    k = np.arange(1, VOID_MODES + 1)
+    scale = 2.0 / (1.0 + k ** 2)
+    c0 = 2.0 * rng.standard_normal()
+    a, b = scale * rng.standard_normal(VOID_MODES), scale * rng.standard_normal(VOID_MODES)
+    g = c0 + np.cos(np.outer(theta, k)) @ a + np.sin(np.outer(theta, k)) @ b
+    return 0.2 + 0.2 / (1.0 + np.exp(g))
+
+
+def _cell_outline(rng: np.random.Generator) -> tuple[dict, float]:
+    """Planar straight-line graph of the square with its void, and the solid's area."""
+    theta = np.linspace(0.0, 2 * np.pi, VOID_SEGMENTS, endpoint=False)
+    radius = void_radius(theta, rng)
+    void = np.c_[0.5 + radius * np.cos(theta), 0.5 + radius * np.sin(theta)]
+    t = np.linspace(0.0, 1.0, SIDE_SEGMENTS, endpoint=False)
+    zero, one = np.zeros_like(t), np.ones_like(t)
+    square = np.concatenate([np.c_[t, zero], np.c_[one, t], np.c_[1 - t, one], np.c_[zero, 1 - t]])
+
+    def loop(start: int, count: int) -> np.ndarray:
+        i = np.arange(count)
+        return start + np.c_[i, (i + 1) % count]
+
+    pslg = {"vertices": np.concatenate([square, void]),
+            "segments": np.concatenate([loop(0, len(square)), loop(len(square), len(void))]),
+            "segment_markers": np.ones(len(square) + len(void), np.int32),
+            "holes": np.array([[0.5, 0.5]])}
+    void_area = 0.5 * abs(np.dot(void[:, 0], np.roll(void[:, 1], -1))
+                          - np.dot(void[:, 1], np.roll(void[:, 0], -1)))
+    return pslg, 1.0 - void_area
+
+
+def _mesh(pslg: dict, solid_area: float, triangle) -> dict:
+    """Quality triangulation with at least ``N_POINTS`` vertices (refined until it has)."""
+    max_area = 1.9 * solid_area / MESH_VERTICES  # calibrated: ~MESH_VERTICES vertices
+    for _ in range(20):
+        mesh = triangle.triangulate(pslg, f"pq30a{max_area:.8f}")
+        if len(mesh["vertices"]) >= N_POINTS:
+            return mesh
+        max_area *= 0.85
+    raise RuntimeError(f"could not mesh the unit cell with {N_POINTS} vertices")
+
+
+def solve_unit_cell(vertices_V2: np.ndarray, triangles_T3: np.ndarray) -> np.ndarray:
+    """Von Mises stress ``[V]`` at the vertices for the loading of the module docstring."""
+    skfem, _ = _require_mesh_packages()
+    from skfem.helpers import sym_grad
+    from skfem.models.elasticity import lame_parameters, linear_elasticity, linear_stress
+
+    mesh = skfem.MeshTri(np.ascontiguousarray(vertices_V2.T, dtype=np.float64),
+                         np.ascontiguousarray(triangles_T3.T, dtype=np.int64))
+    element = skfem.ElementVector(skfem.ElementTriP1())
+    basis = skfem.Basis(mesh, element, intorder=1)
+    lam, mu = lame_parameters(YOUNG_MODULUS, POISSON_RATIO)  # plane strain Lame constants
+    stiffness = skfem.asm(linear_elasticity(lam, mu), basis)
+
+    @skfem.LinearForm
+    def top_traction(v, w):
+        return TRACTION * v[1]
+
+    top = skfem.FacetBasis(mesh, element, facets=mesh.facets_satisfying(
+        lambda x: np.isclose(x[1], 1.0)), intorder=1)
+    load = skfem.asm(top_traction, top)
+    clamped = basis.get_dofs(lambda x: np.isclose(x[1], 0.0))
+    u = skfem.solve(*skfem.condense(stiffness, load, D=clamped))
+
+    stress = linear_stress(lam, mu)(sym_grad(basis.interpolate(u)))  # [2, 2, T, 1]
+    area_T = basis.dx[:, 0]
+    weight_V = np.bincount(triangles_T3.ravel(), np.repeat(area_T, 3), len(vertices_V2))
+
+    def to_vertices(component_T: np.ndarray) -> np.ndarray:
+        return np.bincount(triangles_T3.ravel(), np.repeat(area_T * component_T, 3),
+                           len(vertices_V2)) / weight_V
+
+    sxx, syy, sxy = (to_vertices(stress[i, j, :, 0]) for i, j in ((0, 0), (1, 1), (0, 1)))
+    szz = POISSON_RATIO * (sxx + syy)
+    return np.sqrt(0.5 * ((sxx - syy) ** 2 + (syy - szz) ** 2 + (szz - sxx) ** 2)
+                   + 3.0 * sxy ** 2)
+
+
+def elasticity_sample(seed: int, split: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sample ``index`` of ``split``: ``(points [972, 2], von Mises stress [972])``.
+
+    Each sample has its own stream ``default_rng([seed, split, index])``.
+    """
+    _, triangle = _require_mesh_packages()
+    rng = np.random.default_rng([seed, split, index])
+    pslg, solid_area = _cell_outline(rng)
+    mesh = _mesh(pslg, solid_area, triangle)
+    vertices_V2, triangles_T3 = mesh["vertices"], mesh["triangles"]
+    stress_V = solve_unit_cell(vertices_V2, triangles_T3)
+    on_boundary = mesh["vertex_markers"].ravel() == 1
+    boundary, interior = np.flatnonzero(on_boundary), np.flatnonzero(~on_boundary)
+    if len(boundary) > N_POINTS:
+        raise RuntimeError(f"{len(boundary)} boundary vertices exceed {N_POINTS} points")
+    keep = np.sort(np.concatenate(
+        [boundary, rng.choice(interior, N_POINTS - len(boundary), replace=False)]))
+    return vertices_V2[keep], stress_V[keep]
+
+
+def make_elasticity(out: str | Path, *, n_train: int = 1000, n_test: int = 200,
+                    resolution: int | None = None, seed: int = 0, progress: bool = True,
+                    overwrite: bool = False) -> list[Path]:
+    """Generate the Geo-FNO-layout Elasticity files in ``out``; returns their paths.
+
+    ``resolution`` must be ``None`` or 972 (the benchmark's fixed point count). Both files are
+    written only after every sample is solved, through temporary files and renames.
+    """
+    if resolution not in (None, N_POINTS):
+        raise ValueError(f"elasticity has a fixed {N_POINTS} points per sample; "
+                         f"resolution {resolution} does not apply")
+    if n_train < 1 or n_test < 1:
+        raise ValueError(f"elasticity needs at least one train and one test sample, got "
+                         f"train={n_train}, test={n_test}")
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+    _require_mesh_packages()
+    out = Path(out)
+    paths = [out / SIGMA_FILE, out / XY_FILE]
+    refuse_existing(paths, overwrite)
+
+    total = n_train + n_test
+    sigma_PS = np.empty((N_POINTS, total), np.float32)
+    xy_P2S = np.empty((N_POINTS, 2, total), np.float32)
+    jobs = [(TRAIN_SPLIT, i) for i in range(n_train)] + [(TEST_SPLIT, i) for i in range(n_test)]
+    for s, (split, index) in enumerate(tqdm(jobs, desc="elasticity", unit="sample",
+                                            disable=not progress)):
+        xy_P2S[:, :, s], sigma_PS[:, s] = elasticity_sample(seed, split, index)
+
+    return write_atomically({paths[0]: lambda handle: np.save(handle, sigma_PS),
+                             paths[1]: lambda handle: np.save(handle, xy_P2S)})
