@@ -13,7 +13,8 @@ taken above the memory held once the model and its input exist:
 
 Each point's achieved FLOP/s is the analytic count of :mod:`flarepp.bench.flops` over the
 median step time, also given as a fraction of the machine's measured dense-matmul
-throughput (:func:`matmul_peak`: median of square GEMMs in the benchmark's dtype).
+throughput (:func:`matmul_peak`: median of square GEMMs in the benchmark's dtype, measured
+before and after the sweep; the larger of the two is used).
 
 A point is skipped, with the reason in its ``status``, when it would not fit (estimated peak
 above ``memory_fraction`` of the available memory) or take too long (estimated time of all
@@ -330,6 +331,18 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
                 _finish(record, results[mixer], peak)
                 last[mixer] = record
             log(format_record(record))
+    # The matmul throughput drifts on a shared machine: measure it again and take the larger.
+    again = _machine(config)["peak_flops_per_s"]
+    machine["peak_flops_per_s_measured"] = [peak, again]
+    machine["peak_flops_per_s"] = peak = max(peak, again)
+    log(f"dense matmul again: {again / 1e9:.1f} GFLOP/s; fractions of peak use "
+        f"{peak / 1e9:.1f} GFLOP/s")
+    for record in records:
+        record["peak_flops_per_s"] = peak
+        if record["achieved_flops_per_s"]:
+            record["fraction_of_peak"] = record["achieved_flops_per_s"] / peak
+            log(f"{record['mixer']:>10s} N={record['n']:>8d}  "
+                f"{100 * record['fraction_of_peak']:5.1f}% of the matmul peak")
     return {"machine": machine, "config": config.to_dict(), "records": records}
 
 
@@ -401,8 +414,7 @@ def format_record(r: dict[str, Any]) -> str:
         return f"{head}  {r['status']}"
     rate = ""
     if r["achieved_flops_per_s"]:
-        rate = (f"  {r['achieved_flops_per_s'] / 1e9:7.1f} GFLOP/s"
-                f" ({100 * r['fraction_of_peak']:4.1f}% of matmul peak)")
+        rate = f"  {r['achieved_flops_per_s'] / 1e9:7.1f} GFLOP/s"
     return (f"{head}  step {r['time_s']:8.3f} s  peak {r['peak_mem_bytes'] / 2 ** 20:9.1f} MiB"
             f"{rate}")
 
