@@ -32,29 +32,10 @@ from typing import Any
 
 import torch
 
+from flarepp.bench.memory import peak_rss_since, reset_peak_rss
 from flarepp.models import build_model
 
 _MMAP_KEY, _MMAP_BYTES = "MALLOC_MMAP_THRESHOLD_", "131072"
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key} (peak memory needs Linux)")
-
-
-def reset_peak_memory() -> int:
-    """Reset the resident-set high-water mark; returns the current resident set in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_memory_since(base: int) -> int:
-    """Bytes by which the resident set peaked above ``base`` since :func:`reset_peak_memory`."""
-    return _status_kib("VmHWM") * 1024 - base
 
 
 @contextlib.contextmanager
@@ -89,7 +70,7 @@ def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, st
         x_r, w_r = cp.shard(x).contiguous(), cp.shard(w).contiguous()
         del x, w
         times, cpu_times = [], []
-        base = reset_peak_memory()
+        base = reset_peak_rss()
         for _ in range(steps + 1):  # the first step warms up and is not timed
             dist.barrier(group)
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -99,7 +80,7 @@ def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, st
             dist.barrier(group)
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-        peak = peak_memory_since(base)
+        peak = peak_rss_since(base)
     return {"step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu_times[1:]),
             "peak_bytes": peak}
 
@@ -136,12 +117,12 @@ def _memory_probe(settings: dict[str, Any], n_tokens: int,
     x = torch.randn(1, n_tokens, settings["in_dim"], generator=torch.Generator().manual_seed(1))
     rows = []
     for chunk_size in chunk_sizes:
-        base = reset_peak_memory()
+        base = reset_peak_rss()
         with torch.no_grad():
             y = (model(x) if chunk_size is None
                  else stream_forward(model, x, chunk_size=chunk_size))
         rows.append({"n_tokens": n_tokens, "chunk_size": chunk_size,
-                     "peak_bytes": peak_memory_since(base),
+                     "peak_bytes": peak_rss_since(base),
                      "output_bytes": y.numel() * y.element_size()})
         del y
     print(json.dumps(rows))
