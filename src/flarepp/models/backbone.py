@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flarepp.validate import require_positive
 from flarepp.mixers import Mixer, build_mixer
 from flarepp.mixers.base import check_tokens
 from flarepp.ops import make_norm
@@ -87,9 +88,7 @@ class SurrogateConfig:
     mixer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"arch": "surrogate", **asdict(self)}

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
 from flarepp.models.backbone import ResidualMLP, init_backbone_weights
 from flarepp.ops import make_norm
@@ -53,9 +54,8 @@ class GNOTConfig:
     norm: str = "layernorm"
 
     def __post_init__(self) -> None:
-        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "experts"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"gnot: {name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "experts"),
+                         "gnot")
         if self.dim % self.heads:
             raise ValueError(f"gnot: dim={self.dim} must be divisible by heads={self.heads}")
         if self.space_dim is not None and not 0 < self.space_dim <= self.in_dim:

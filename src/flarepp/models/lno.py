@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
 from flarepp.models.backbone import ResidualMLP
 from flarepp.ops import FUSED, AttentionBackend, make_norm
@@ -53,9 +54,8 @@ class LNOConfig:
     attn_scale: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"lno: {name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
+                         "lno")
         if self.projector_layers < 0:
             raise ValueError(f"lno: projector_layers must be >= 0, got {self.projector_layers}")
         if self.dim % self.heads:

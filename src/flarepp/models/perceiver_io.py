@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
 from flarepp.models.backbone import ResidualMLP, init_backbone_weights
 from flarepp.ops import FUSED, AttentionBackend, make_norm
@@ -49,10 +50,8 @@ class PerceiverIOConfig:
     attn_scale: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"perceiver-io: {name} must be positive, "
-                                 f"got {getattr(self, name)}")
+        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
+                         "perceiver-io")
         if self.dim % self.heads:
             raise ValueError(f"perceiver-io: dim={self.dim} must be divisible by "
                              f"heads={self.heads}")

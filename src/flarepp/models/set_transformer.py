@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flarepp.validate import require_positive
 from flarepp.models.backbone import SurrogateModel
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
@@ -50,10 +51,8 @@ class SetTransformerConfig:
     attn_scale: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"set-transformer: {name} must be positive, "
-                                 f"got {getattr(self, name)}")
+        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
+                         "set-transformer")
         if self.dim % self.heads:
             raise ValueError(f"set-transformer: dim={self.dim} must be divisible by "
                              f"heads={self.heads}")

@@ -7,6 +7,8 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from flarepp.validate import require_positive
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -47,9 +49,7 @@ class RunConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
-        for key in ("epochs", "batch_size", "checkpoint_every", "eval_every"):
-            if int(getattr(self, key)) <= 0:
-                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        require_positive(self, ("epochs", "batch_size", "checkpoint_every", "eval_every"))
         self.betas = tuple(self.betas)
 
     def to_dict(self) -> dict[str, Any]:
