@@ -1,0 +1,76 @@
+"""Devices and numeric precision: one place that turns a user's choice into torch objects.
+
+``--device auto`` means ``cuda:LOCAL_RANK`` when CUDA is available (``LOCAL_RANK`` is set by
+``torchrun``; 0 otherwise) and the CPU otherwise. Precision follows the paper (C.2): FP32
+runs with no autocast; ``bf16`` / ``fp16`` runs autocast the forward to that dtype on the
+model's device (FP16 with a gradient scaler, BF16 without).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEVICE_HELP = ("auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda or "
+               "cuda:K")
+
+
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"``/``None`` -> ``cuda:LOCAL_RANK`` or the CPU; ``"cuda"`` -> ``cuda:LOCAL_RANK``.
+
+    Raises ``ValueError`` with a sentence for a device that does not exist here.
+    """
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    spec = (spec or "auto").strip().lower()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() \
+            else torch.device("cpu")  # the fallback of auto
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unknown device {spec!r}; expected {DEVICE_HELP}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} was asked for but CUDA is not available on this "
+                             "machine (torch.cuda.is_available() is False); use --device cpu")
+        index = local_rank if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: this machine has {torch.cuda.device_count()} "
+                             f"CUDA device(s)")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"device type {device.type!r} is not supported; expected {DEVICE_HELP}")
+    return device
+
+
+def amp_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (``None`` for FP32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return AMP_DTYPES.get(precision)
+
+
+def autocast(precision: str, device: torch.device | str = "cpu"):
+    """Autocast to ``precision`` on ``device``'s type; a no-op context for FP32."""
+    dtype = amp_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def grad_scaler(precision: str, device: torch.device | str) -> torch.amp.GradScaler:
+    """A gradient scaler on ``device``'s type, enabled for FP16 only."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=precision == "fp16")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on ``device`` (timing); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
