@@ -1,17 +1,20 @@
-"""Datasets: loaders for the public benchmarks, a user format and PDE data generators."""
+"""Datasets: loaders for the public benchmarks, a user format and PDE data generators.
+
+Importing this package registers every loader, so :data:`DATASETS` is complete at once.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from flarepp.data.base import DataError, DatasetSplits, MeshSamples, Normalizer
+from flarepp.data.base import DataError, DatasetSplits, DataWarning, MeshSamples, Normalizer
 from flarepp.data.registry import DATASETS
+from flarepp.data import loaders as _loaders  # noqa: F401  (registers the loaders)
 
 
 def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
     """Load registered dataset ``name`` from ``root`` (a directory or file) and validate it."""
-    from flarepp.data import loaders  # noqa: F401  (registers the loaders)
     loader = DATASETS.get(name)
     root = Path(root)
     if not root.exists():
@@ -19,5 +22,5 @@ def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
     return loader(root, **options).validate()
 
 
-__all__ = ["DATASETS", "DataError", "DatasetSplits", "MeshSamples", "Normalizer",
-           "load_dataset"]
+__all__ = ["DATASETS", "DataError", "DataWarning", "DatasetSplits", "MeshSamples",
+           "Normalizer", "load_dataset"]

@@ -6,6 +6,7 @@ G coordinate dimensions. Meshes of different N are padded to a common N with a m
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,22 +109,69 @@ class DatasetSplits:
         return self
 
 
+class DataWarning(UserWarning):
+    """Data that can be used but probably not as meant (a constant channel, an outlier)."""
+
+
+CONSTANT_RTOL = 1e-6
+"""A channel is constant when its std is at most this fraction of its |mean| (0 for 0)."""
+OUTLIER_Z = 10.0
+"""Normalised values beyond this many training standard deviations are reported."""
+
+
 @dataclass
 class Normalizer:
-    """One mean and std per channel, fitted on real points of the training split only."""
+    """One mean and std per channel, fitted on real points of the training split only.
+
+    ``z = (a - mean) / std``. A channel that is constant over the training points
+    (``std <= CONSTANT_RTOL * |mean|``, float32 rounding included) gets ``std = 1``: it is
+    centred, not scaled, so an unseen shift of 0.5 stays 0.5 instead of growing to
+    ``0.5 / 1e-8``; :meth:`fit` warns naming the channel.
+    """
 
     mean: np.ndarray
     std: np.ndarray
 
     @classmethod
-    def fit(cls, arr_SNK: np.ndarray, mask_SN: np.ndarray | None = None,
-            eps: float = 1e-8) -> "Normalizer":
+    def fit(cls, arr_SNK: np.ndarray, mask_SN: np.ndarray | None = None, *,
+            what: str = "") -> "Normalizer":
+        """Fit on ``arr [S, N, K]`` at the points where ``mask [S, N]`` is True; ``what``
+        ("input", "output") names the channels in the warning about constant ones."""
         flat = arr_SNK.reshape(-1, arr_SNK.shape[-1])
         if mask_SN is not None:
             flat = flat[mask_SN.reshape(-1)]
         flat = flat.astype(np.float64)
-        return cls(flat.mean(0).astype(np.float32),
-                   np.maximum(flat.std(0), eps).astype(np.float32))
+        mean, std = flat.mean(0), flat.std(0)
+        constant = std <= CONSTANT_RTOL * np.abs(mean)
+        for k in np.flatnonzero(constant):
+            label = f"{what} channel" if what else "channel"
+            warnings.warn(f"{label} {k} is constant ({mean[k]:.6g}) over the training points; "
+                          "it is centred but not scaled (std taken as 1), so it carries no "
+                          "information the model can learn from", DataWarning, stacklevel=2)
+        std = np.where(constant, 1.0, std)
+        return cls(mean.astype(np.float32), std.astype(np.float32))
+
+    def check_range(self, arr_SNK: np.ndarray, mask_SN: np.ndarray | None = None,
+                    what: str = "data", *, limit: float = OUTLIER_Z) -> dict[int, float]:
+        """``{channel: max |z|}`` for channels whose normalised values at real points exceed
+        ``limit`` training standard deviations; warns naming them ({} and silent if none).
+
+        Inputs that far outside the training range are extrapolation: the prediction there
+        is not covered by the reported test error.
+        """
+        flat = np.asarray(arr_SNK).reshape(-1, arr_SNK.shape[-1])
+        if mask_SN is not None:
+            flat = flat[np.asarray(mask_SN).reshape(-1)]
+        if flat.size == 0:
+            return {}
+        z = np.abs((flat.astype(np.float64) - self.mean) / self.std).max(0)
+        far = {int(k): float(z[k]) for k in np.flatnonzero(z > limit)}
+        if far:
+            listed = ", ".join(f"channel {k} reaches |z| = {v:.1f}" for k, v in far.items())
+            warnings.warn(f"{what}: {listed} (training std units, limit {limit:g}); these "
+                          "values lie far outside the training range, so predictions there "
+                          "are extrapolations", DataWarning, stacklevel=2)
+        return far
 
     def encode(self, a):
         return (a - self._like(self.mean, a)) / self._like(self.std, a)

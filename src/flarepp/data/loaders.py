@@ -39,6 +39,8 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -128,11 +130,47 @@ def _locate(root: Path, filename: str, dataset: str) -> Path:
     return path
 
 
+def _refuse_empty(path: Path) -> None:
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes); re-download or re-create it")
+
+
 def _load_npy(path: Path, key: str) -> np.ndarray:
+    _refuse_empty(path)
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as err:
-        raise DataError(f"{path}: cannot read {key!r} as a .npy array ({err})") from err
+    except (ValueError, OSError, EOFError) as err:
+        raise DataError(f"{path}: the file is truncated or not a .npy array, so {key!r} "
+                        f"cannot be read ({err}); re-download or re-create it") from err
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file, with a :class:`DataError` sentence for a broken one.
+
+    An ``.npz`` is a zip archive of ``.npy`` arrays: an empty file, a truncated one (its zip
+    directory is at the end) and one of random bytes are told apart from an archive that
+    holds Python objects, which is refused (reading it would unpickle them).
+    """
+    _refuse_empty(path)
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path}: the file is truncated or not a zip archive (an .npz file is "
+                        "a zip of .npy arrays); re-download or re-create it")
+    contents: dict[str, np.ndarray] = {}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            for key in data.files:
+                try:
+                    contents[key] = data[key]
+                except ValueError as err:
+                    if "pickle" not in str(err):
+                        raise
+                    raise DataError(f"{path}: key {key!r} holds Python objects (an object "
+                                    "array), which are not read; store numeric arrays, and "
+                                    "meshes of different N as per-sample keys x_0, y_0, ...") from None
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as err:
+        raise DataError(f"{path}: the file is truncated or corrupt ({type(err).__name__}: "
+                        f"{err}); re-download or re-create it") from err
+    return contents
 
 
 def _enough(path: Path | str, available: int, needed: int, what: str) -> None:
@@ -216,25 +254,32 @@ def _read_mat(path: Path, keys: Sequence[str], count: int, resolution: int,
 
     arrays: list[np.ndarray] = []
     expected: Sequence[int | str] = ("S", "R", "R")  # the first key fixes S and R
+    _refuse_empty(path)
     if h5py.is_hdf5(path):  # v7.3: MATLAB's column-major [S, R, R] appears as [R, R, S]
-        with h5py.File(path, "r") as handle:
-            for key in keys:
-                if key not in handle:
-                    raise DataError(f"{path}: missing key {key!r} (found {sorted(handle)}), "
-                                    "expected [S, R, R]")
-                stored = handle[key]
-                shape = stored.shape[::-1]
-                _expect_shape(shape, path, key, expected,
-                              " (MATLAB v7.3: stored transposed as [R, R, S])")
-                expected = shape
-                _enough(path, shape[0], count, f"{option}={count}")
-                stride = stride_for(shape[1])
-                arrays.append(np.asarray(stored[::stride, ::stride, :count]).T)
+        try:
+            with h5py.File(path, "r") as handle:
+                for key in keys:
+                    if key not in handle:
+                        raise DataError(f"{path}: missing key {key!r} (found "
+                                        f"{sorted(handle)}), expected [S, R, R]")
+                    stored = handle[key]
+                    shape = stored.shape[::-1]
+                    _expect_shape(shape, path, key, expected,
+                                  " (MATLAB v7.3: stored transposed as [R, R, S])")
+                    expected = shape
+                    _enough(path, shape[0], count, f"{option}={count}")
+                    stride = stride_for(shape[1])
+                    arrays.append(np.asarray(stored[::stride, ::stride, :count]).T)
+        except OSError as err:  # h5py: a truncated or damaged HDF5 file
+            raise DataError(f"{path}: the file is truncated or not a valid MATLAB v7.3 (HDF5) "
+                            f"file ({err}); re-download or re-create it") from err
     else:
         try:
             contents = scipy.io.loadmat(path, variable_names=list(keys))
-        except (ValueError, TypeError, OSError, NotImplementedError) as err:
-            raise DataError(f"{path}: cannot read as a MATLAB .mat file ({err})") from err
+        except (ValueError, TypeError, OSError, NotImplementedError,
+                scipy.io.matlab.MatReadError) as err:
+            raise DataError(f"{path}: the file is truncated or not a MATLAB .mat file "
+                            f"({err}); re-download or re-create it") from err
         for key in keys:
             if key not in contents:
                 raise DataError(f"{path}: missing key {key!r}, expected [S, R, R]")
@@ -384,11 +429,7 @@ def load_drivaerml_40k(root: Path, *, n_train: int | None = None,
             files = files[:count]
         centers, pressure = [], []
         for path in files:
-            try:
-                with np.load(path, allow_pickle=False) as data:
-                    contents = {key: data[key] for key in data.files}
-            except (ValueError, OSError) as err:
-                raise DataError(f"{path}: cannot read as .npz ({err})") from err
+            contents = read_npz(path)
             missing = {"surface_mesh_centers", "surface_fields"} - set(contents)
             if missing:
                 raise DataError(f"{path}: missing key(s) {sorted(missing)} (found "
@@ -419,16 +460,10 @@ _METADATA_KEYS = ("field_names", "units", "grid_shape")
 def _read_user_file(path: Path) -> dict[str, Any]:
     """Keys of a ``.npz`` or ``.pt`` file as numpy arrays (strings stay strings)."""
     if path.suffix == ".npz":
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                return {key: data[key] for key in data.files}
-        except ValueError as err:
-            raise DataError(f"{path}: cannot read ({err}); object arrays are not supported, "
-                            "store meshes of different N as per-sample keys x_0, y_0, ...") from err
-        except OSError as err:
-            raise DataError(f"{path}: cannot read as .npz ({err})") from err
+        return read_npz(path)
     if path.suffix == ".pt":
         import torch
+        _refuse_empty(path)
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises many types for a bad file; all mean "unreadable"

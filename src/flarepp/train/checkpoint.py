@@ -1,65 +1,118 @@
-"""Checkpoints: written atomically, versioned, enough to rebuild and evaluate the model.
+"""Checkpoints: written atomically, read without running code, enough to rebuild the model.
 
 A checkpoint is a ``torch.save`` dict with ``format_version``, ``config`` (RunConfig),
 ``model_config``, ``model`` and ``ema`` state dicts, ``optimizer``, ``scheduler``,
 ``scaler``, ``epoch``, ``rng`` (torch CPU RNG and the shuffling generator),
 ``normalizers`` (x and y), ``history`` (one record per epoch) and ``data`` (field names).
+
+Every value is plain data -- tensors, numbers, strings, ``None``, lists, tuples, dicts,
+``torch.Size`` / ``dtype`` / ``device`` -- so checkpoints are read with
+``torch.load(..., weights_only=True)``, which refuses to unpickle anything else: a crafted
+``.pt`` whose pickle would call a function (create a file, start a process) is rejected
+before the call. :func:`save_checkpoint` converts numpy scalars and arrays and paths to
+plain data and refuses any other object, naming its key, so a checkpoint flarepp writes is
+always one it can read back.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-from dataclasses import dataclass
+import pickle
+import re
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from flarepp.data import Normalizer
+from flarepp.io import atomic_write, is_temporary
 from flarepp.models import model_from_config
 from flarepp.train.config import RunConfig
 
 FORMAT_VERSION = 1
 REQUIRED = ("format_version", "config", "model_config", "model", "ema", "epoch",
             "normalizers")
+CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
+"""File names of the checkpoints in ``<run>/checkpoints``, by epoch."""
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
+          torch.dtype, torch.device)
 
 
 class CheckpointError(ValueError):
-    """An unreadable, corrupt or incompatible checkpoint."""
+    """An unreadable, corrupt, unsafe or incompatible checkpoint."""
 
 
-def atomic_write(path: Path, write) -> None:
-    """Write via ``write(tmp_path)`` to a temporary file beside ``path``, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def portable_state(state: Any, key: str = "state") -> Any:
+    """``state`` with numpy values as Python numbers / tensors and paths as strings.
+
+    Raises :class:`CheckpointError` naming the key of any other kind of object, since
+    ``torch.load(weights_only=True)`` could not read it back.
+    """
+    if isinstance(state, np.generic):  # before _PLAIN: np.float64 subclasses float
+        return state.item()
+    if isinstance(state, _PLAIN):
+        return state
+    if isinstance(state, np.ndarray):
+        return torch.from_numpy(np.array(state))
+    if isinstance(state, os.PathLike):
+        return os.fspath(state)
+    if isinstance(state, dict):
+        items = ((k, portable_state(v, f"{key}.{k}")) for k, v in state.items())
+        return OrderedDict(items) if isinstance(state, OrderedDict) else dict(items)
+    if isinstance(state, (list, tuple)):
+        items = [portable_state(v, f"{key}[{i}]") for i, v in enumerate(state)]
+        return items if isinstance(state, list) else tuple(items)
+    raise CheckpointError(f"checkpoint {key} holds a {type(state).__module__}."
+                          f"{type(state).__qualname__}, which a checkpoint read with "
+                          "weights_only=True cannot hold; store tensors, numbers, strings, "
+                          "lists or dicts")
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    atomic_write(path, lambda tmp: torch.save({"format_version": FORMAT_VERSION, **state}, tmp))
+    """Write ``state`` plus the format version atomically (:func:`flarepp.io.atomic_write`)."""
+    portable = portable_state({"format_version": FORMAT_VERSION, **state})
+    atomic_write(path, lambda tmp: torch.save(portable, tmp))
+
+
+def _load(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` with every failure as a sentence about ``path``."""
+    name = repr(str(path))
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {name} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {name} is empty (0 bytes): its write was "
+                              "interrupted or the file was truncated")
+    try:
+        with warnings.catch_warnings():
+            # torch's note on a foreign file's pickle protocol adds nothing to the error below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only" in str(err).lower() or "weights_only" in str(err):
+            raise CheckpointError(
+                f"checkpoint {name} was refused: it holds Python objects other than tensors "
+                "and plain data, and unpickling them could run arbitrary code; flarepp "
+                "checkpoints hold none, so this file was not written by flarepp") from None
+        raise CheckpointError(f"checkpoint {name} is corrupt or truncated "
+                              f"(UnpicklingError: {err})") from None
+    except Exception as err:  # torch raises many types for a truncated or foreign file
+        raise CheckpointError(f"checkpoint {name} is corrupt, truncated or not a flarepp "
+                              f"checkpoint ({type(err).__name__}: {err})") from None
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load and validate; a clear :class:`CheckpointError` for anything unusable."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises many types for a truncated or foreign file
-        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a flarepp "
-                              f"checkpoint ({type(err).__name__}: {err})") from None
+    state = _load(path)
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a flarepp checkpoint")
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a flarepp checkpoint (it "
+                              f"holds a {type(state).__name__}, not a dict)")
     missing = [k for k in REQUIRED if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")
@@ -69,6 +122,81 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
                               f"version {FORMAT_VERSION}")
     return state
 
+
+# ---------------------------------------------------------------------------------------------
+# a run directory's checkpoints
+
+def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
+    """``<out_dir>/checkpoints/epoch_<n>.pt`` by decreasing epoch ``n``."""
+    folder = Path(out_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+@dataclass
+class CheckpointSearch:
+    """The result of :func:`newest_readable_checkpoint`.
+
+    ``path`` / ``state``: the newest checkpoint that reads (``None`` if none does);
+    ``unreadable``: the newer ones skipped on the way, each with the reason.
+    """
+
+    path: Path | None
+    state: dict[str, Any] | None
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+
+    def message(self) -> str:
+        """One sentence per skipped checkpoint and what is used instead ("" if none)."""
+        if not self.unreadable:
+            return ""
+        skipped = "; ".join(reason for _, reason in self.unreadable)
+        if self.path is None:
+            return f"no checkpoint reads: {skipped}"
+        return f"{skipped}; resuming from the newest readable one, {str(self.path)!r}"
+
+
+def newest_readable_checkpoint(out_dir: str | Path) -> CheckpointSearch:
+    """Walk ``out_dir``'s checkpoints newest first and stop at the first that reads.
+
+    A truncated latest checkpoint (a crash during its write on a file system without
+    atomic rename, a full disk, a copy cut short) then costs the epochs since the previous
+    one instead of the whole run. Incompatible versions are skipped the same way.
+    """
+    unreadable: list[tuple[Path, str]] = []
+    for path in checkpoints_newest_first(out_dir):
+        try:
+            return CheckpointSearch(path, read_checkpoint(path), unreadable)
+        except CheckpointError as err:
+            unreadable.append((path, str(err)))
+    return CheckpointSearch(None, None, unreadable)
+
+
+def remove_stale_temporaries(out_dir: str | Path) -> list[Path]:
+    """Delete the temporaries that killed atomic writes left in ``out_dir``; returns them.
+
+    Matches :func:`flarepp.io.is_temporary` (``.<name>.<pid>.<random>.tmp``, and the
+    ``.<name>.<8 characters>.tmp`` of earlier flarepp versions) anywhere below ``out_dir``.
+    Call it while holding the run's :class:`~flarepp.train.rundir.RunLock`: no other writer
+    may be working in the directory then, so every temporary is stale.
+    """
+    removed: list[Path] = []
+    root = Path(out_dir)
+    if not root.is_dir():
+        return removed
+    for folder, _, names in os.walk(root):
+        for name in sorted(names):
+            path = Path(folder) / name
+            if is_temporary(name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# inference
 
 @dataclass
 class TrainedModel:
@@ -100,3 +228,9 @@ def load_trained_model(path: str | Path, *, ema: bool = True) -> TrainedModel:
                         Normalizer.from_state_dict(state["normalizers"]["y"]),
                         int(state["epoch"]), data.get("field_names", ["u"]),
                         data.get("units", ""))
+
+
+__all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
+           "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_trained_model",
+           "newest_readable_checkpoint", "portable_state", "read_checkpoint",
+           "remove_stale_temporaries", "save_checkpoint"]

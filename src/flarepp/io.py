@@ -1,0 +1,128 @@
+"""Atomic, durable file writes: every file flarepp writes appears complete or not at all.
+
+A file is written to a temporary file beside its target (same directory, hence the same file
+system), the temporary is flushed and ``fsync``-ed, renamed over the target with
+``os.replace`` (atomic on POSIX), and the directory is ``fsync``-ed so that the rename itself
+survives a power loss. A process killed at any point leaves either the old file or the new
+one, plus at worst a temporary named ``.<target name>.<pid>.<random>.tmp``, which
+:func:`is_temporary` recognises and ``flarepp.train.checkpoint.remove_stale_temporaries``
+removes.
+
+Permissions: the temporary is created with mode ``0o666`` filtered by the process umask,
+exactly as ``open(path, "w")`` creates a new file (``tempfile.mkstemp`` would give ``0600``);
+when the target already exists its mode is kept, as an in-place rewrite would keep it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+Writer = Callable[[Path], Any]
+"""``write(tmp_path)``: writes the complete content to ``tmp_path`` (and closes it)."""
+
+_TEMPORARY = re.compile(r"\..+\.[0-9]+\.[0-9a-f]+\.tmp")
+# The pattern of tempfile.mkstemp(prefix=".<name>.", suffix=".tmp"), used by flarepp before
+# this module: temporaries a killed older version left behind are still recognised.
+_LEGACY_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]{8}\.tmp")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is that of an atomic writer's temporary (``.<name>.<tag>.tmp``)."""
+    return bool(_TEMPORARY.fullmatch(name) or _LEGACY_TEMPORARY.fullmatch(name))
+
+
+def _create_temporary(path: Path) -> Path:
+    """An empty new file beside ``path``; ``O_EXCL`` never takes over another's temporary."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if path.exists():  # keep the mode of the file being replaced
+                os.fchmod(fd, stat.S_IMODE(path.stat().st_mode))
+        finally:
+            os.close(fd)
+        return tmp
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames and creations in ``directory`` durable (POSIX; a no-op where directories
+    cannot be opened, e.g. on Windows, or where the file system refuses to sync one)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # Some file systems (certain network and FUSE mounts) do not sync directories;
+        # the rename is still atomic there, only its durability is the file system's.
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write_all(files: Mapping[str | Path, Writer]) -> list[Path]:
+    """Write several files all-or-nothing up to the renames; returns their paths.
+
+    Every ``write(tmp_path)`` runs and every temporary is synced before the first rename, so
+    a failure while writing (disk full, an exception in a writer, Ctrl-C) leaves no new or
+    half-written file and no temporary behind. Each rename is atomic on its own.
+    """
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for target, write in files.items():
+            path = Path(target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = _create_temporary(path)
+            staged.append((tmp, path))
+            write(tmp)
+            _fsync_file(tmp)
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        for directory in {path.parent for _, path in staged}:
+            fsync_directory(directory)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    return [path for _, path in staged]
+
+
+def atomic_write(path: str | Path, write: Writer) -> Path:
+    """Write ``path`` atomically through ``write(tmp_path)``; returns ``path``."""
+    return atomic_write_all({path: write})[0]
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding=encoding))
+
+
+def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> Path:
+    """``obj`` as JSON (UTF-8, a final newline); unserialisable values raise before any
+    file is touched."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+__all__ = ["atomic_write", "atomic_write_all", "atomic_write_bytes", "atomic_write_json",
+           "atomic_write_text", "fsync_directory", "is_temporary"]
