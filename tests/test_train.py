@@ -34,8 +34,8 @@ def test_resume_is_bitwise_identical(darcy_dir, tmp_path):
                     resume=True)
     for key in ("test_rel_l2", "train_rel_l2", "epochs", "params"):
         assert resumed[key] == full[key], key
-    a = torch.load(latest_checkpoint(tmp_path / "full"), weights_only=False)
-    b = torch.load(latest_checkpoint(tmp_path / "cut"), weights_only=False)
+    a = torch.load(latest_checkpoint(tmp_path / "full"), weights_only=True)
+    b = torch.load(latest_checkpoint(tmp_path / "cut"), weights_only=True)
     for k in a["ema"]:
         assert torch.equal(a["ema"][k], b["ema"][k]), k
     log = [json.loads(x) for x in (tmp_path / "cut" / "log.jsonl").read_text().splitlines()]
@@ -93,7 +93,7 @@ def test_bad_inputs_fail_clearly(darcy_dir, tmp_path, capsys):
     other = get_preset("darcy-tiny", TINY + ["epochs=4", "lr=0.01"])
     with pytest.raises(CheckpointError, match="different config"):
         train(other, tmp_path / "run", data_root=darcy_dir, progress=False, resume=True)
-    torch.load(last, weights_only=False)  # the earlier checkpoint is intact
+    torch.load(last, weights_only=True)  # the earlier checkpoint is intact
     with pytest.raises(ValueError, match="already holds a run"):
         train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
 
