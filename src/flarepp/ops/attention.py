@@ -15,7 +15,8 @@ With ``s`` the SDPA scale (``1/sqrt(D)`` unless given):
   tokens' outputs are zero.
 
 Everything runs on fused kernels; the N x M score matrix is never materialised except by
-the generic fallback of ``encode_with_lse`` on devices without a wired-up LSE kernel.
+the generic fallback of ``encode_with_lse`` where no LSE kernel is wired up (float64 on
+CUDA, devices other than CPU and CUDA).
 
 Mixers do not call these functions directly but through an :class:`AttentionBackend`
 held in their ``backend`` attribute, so a different execution strategy (an explicit
@@ -92,47 +93,98 @@ def self_attention(q_BHND: torch.Tensor, k_BHND: torch.Tensor, v_BHND: torch.Ten
     return y
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _heads_padded(t_BHXD: torch.Tensor, width: int, multiple: int,
+                  column: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``t`` with its head width zero-padded to ``width``, ``column`` (if given) written in
+    column ``D``; laid out ``[B, X, H, width]`` in memory, as the kernels' own outputs.
+
+    Without padding or column, ``t`` itself when its layout already suits a kernel that
+    needs strides and storage offset in multiples of ``multiple``.
+    """
+    B, H, X, D = t_BHXD.shape
+    if width == D and column is None and t_BHXD.is_contiguous() \
+            and t_BHXD.storage_offset() % multiple == 0:
+        return t_BHXD
+    out = t_BHXD.new_zeros(B, X, H, width).transpose(1, 2)
+    out[..., :D] = t_BHXD
+    if column is not None:
+        out[..., D] = column
+    return out
+
+
+def _head_widths(kernel: _kernels.LSEKernel, d: int, d_v: int) -> tuple[int, int]:
+    """Head widths ``(query/key, value)`` that ``kernel`` accepts, padded from ``d, d_v``."""
+    if kernel.equal_head_widths:
+        d = d_v = max(d, d_v)
+    return _round_up(d, kernel.head_multiple), _round_up(d_v, kernel.head_multiple)
+
+
+def _key_bias(mask_BN: torch.Tensor, has_key_B: torch.Tensor, dtype: torch.dtype
+              ) -> torch.Tensor:
+    """Additive key bias ``[B, 1, 1, N]``: 0 for real tokens, -inf for padding.
+
+    Rows are stored padded to :data:`_kernels.BIAS_ROW_MULTIPLE` elements (the layout the
+    kernels accept, see :mod:`flarepp.ops._kernels`). A sample with no real token gets 0
+    everywhere instead, so that no kernel sees a row without a key; its outputs are replaced
+    by ``Z = 0``, ``L = -inf`` afterwards, which also makes its cotangents exactly zero.
+    """
+    B, N = mask_BN.shape
+    width = _round_up(N, _kernels.BIAS_ROW_MULTIPLE)
+    rows = torch.full((B, width), float("-inf"), dtype=dtype, device=mask_BN.device)
+    rows[:, :N].masked_fill_(mask_BN | ~has_key_B[:, None], 0.0)
+    return rows[:, None, None, :N]
+
+
 class _FusedEncodeWithLSE(torch.autograd.Function):
     """Fused encode returning ``(Z, L)``; backward takes the cotangents of both (B.5).
 
     The local backward of B.5 is ``dS = P * (dZ V^T - c + dL)`` with ``c = rowsum(dZ * Z)``.
-    The fused output-only backward computes ``P * (dZ' V'^T - rowsum(dZ' * Z'))``; padding
-    the head width by one column, ``Q' = [Q, 0]``, ``K' = [K, 0]``, ``V' = [V, 1]``,
-    ``Z' = [Z, 0]``, ``dZ' = [dZ, dL]``, leaves the scores unchanged and turns that into
-    exactly the expression above, so one kernel call serves both cotangents.
+    The kernels' output-only backward computes ``P * (dZ' V'^T - rowsum(dZ' * Z'))``;
+    padding the value width by one column, ``V' = [V, 1]``, ``Z' = [Z, 0]``,
+    ``dZ' = [dZ, dL]``, turns that into exactly the expression above, so one kernel call
+    serves both cotangents. Head widths a kernel does not accept are padded with zero
+    columns (exact: they add nothing to the scores, and give output columns that are sliced
+    off); the kernel's log-sum-exp rows past M are padding and are sliced off too.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, additive_mask, scale):
-        out, lse = _kernels.lse_attention_forward(q, k, v, additive_mask, scale)
-        ctx.save_for_backward(q, k, v, out, lse, additive_mask)
-        ctx.scale = scale
-        ctx.has_mask = additive_mask is not None
-        return out, lse
+    def forward(ctx, q, k, v, bias_B11N, scale, kernel):
+        B, H, M, D = q.shape
+        N, Dv = k.shape[-2], v.shape[-1]
+        width, width_v = _head_widths(kernel, D, Dv)
+        bias = None if bias_B11N is None else bias_B11N.expand(B, H, M, N)
+        m = kernel.head_multiple
+        out, lse, saved = kernel.forward(_heads_padded(q, width, m), _heads_padded(k, width, m),
+                                         _heads_padded(v, width_v, m), bias, scale)
+        ctx.save_for_backward(q, k, v, bias_B11N, out, lse, *saved)
+        ctx.scale, ctx.kernel = scale, kernel
+        return out[..., :Dv], lse[..., :M]
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, additive_mask = ctx.saved_tensors
-        if not ctx.has_mask:
-            additive_mask = None
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if dlse is None:
-            dq, dk, dv = _kernels.lse_attention_backward(
-                dout, q, k, v, out, lse, additive_mask, ctx.scale)
-        else:
-            # Rows whose keys are all masked carry L = -inf upstream and a zero cotangent.
-            dlse = torch.nan_to_num(dlse, nan=0.0, posinf=0.0, neginf=0.0)
-
-            def pad(t, value):
-                return F.pad(t, (0, 1), value=value)
-
-            dq, dk, dv = _kernels.lse_attention_backward(
-                torch.cat([dout, dlse.unsqueeze(-1).to(dout.dtype)], dim=-1),
-                pad(q, 0.0), pad(k, 0.0), pad(v, 1.0), pad(out, 0.0), lse,
-                additive_mask, ctx.scale)
-            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
-        return dq, dk, dv, None, None
+    def backward(ctx, dz, dlse):
+        q, k, v, bias_B11N, out, lse, *saved = ctx.saved_tensors
+        kernel, m = ctx.kernel, ctx.kernel.head_multiple
+        B, H, M, D = q.shape
+        N, Dv = k.shape[-2], v.shape[-1]
+        bias = None if bias_B11N is None else bias_B11N.expand(B, H, M, N)
+        z = out[..., :Dv]
+        if dz is None:
+            dz = torch.zeros_like(z)
+        if dlse is None:  # the output-only backward, with the forward's widths
+            width, width_v = _head_widths(kernel, D, Dv)
+            v_p, out_p, dz_p = _heads_padded(v, width_v, m), out, _heads_padded(dz, width_v, m)
+        else:  # V' = [V, 1], Z' = [Z, 0], dZ' = [dZ, dL]
+            width, width_v = _head_widths(kernel, D, Dv + 1)
+            v_p = _heads_padded(v, width_v, m, column=1.0)
+            out_p = _heads_padded(z, width_v, m)
+            dz_p = _heads_padded(dz, width_v, m, column=dlse.to(dz.dtype))
+        dq, dk, dv = kernel.backward(dz_p, _heads_padded(q, width, m), _heads_padded(k, width, m),
+                                     v_p, bias, out_p, lse, tuple(saved), ctx.scale)
+        return dq[..., :D], dk[..., :D], dv[..., :Dv], None, None, None
 
 
 def _explicit_encode_with_lse(q, k, v, mask_BN, scale):
@@ -151,27 +203,33 @@ def encode_with_lse(q_BHMD: torch.Tensor, k_BHND: torch.Tensor, v_BHND: torch.Te
     """``(Z, L)``: the encode of :func:`encode` and its row-wise log-sum-exp ``[B, H, M]``.
 
     ``L`` is float32 for 16-bit inputs (float64 for float64). Rows with no real key (an
-    empty shard, a fully padded sample) give ``Z = 0`` and ``L = -inf``.
+    empty shard, a fully padded sample) give ``Z = 0`` and ``L = -inf``. Runs the fused
+    kernel of the device (:func:`flarepp.ops._kernels.lse_kernel`: CPU flash attention, the
+    CUDA memory-efficient kernel), which never forms the N x M scores; devices and dtypes
+    without one (float64 on CUDA) use an explicit fallback that does.
     """
     q, k, v = _cast(q_BHMD, k_BHND, v_BHND)
-    s = default_scale(q.shape[-1], scale)
+    return _encode_with_lse(q, k, v, mask_BN, default_scale(q.shape[-1], scale),
+                            _kernels.lse_kernel(q.device, q.dtype))
+
+
+def _encode_with_lse(q, k, v, mask_BN, s: float, kernel: _kernels.LSEKernel | None):
+    """:func:`encode_with_lse` on cast inputs with ``kernel`` (``None``: the explicit
+    fallback); the tests hand in a CPU emulation of the CUDA kernel here."""
     B, H, M, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if k.shape[-2] == 0:
         z = q.new_zeros(B, H, M, v.shape[-1]) + 0.0 * (q.sum() + k.sum() + v.sum())
         return z, torch.full((B, H, M), float("-inf"), dtype=lse_dtype, device=q.device)
-    if _kernels.has_lse_kernel(q.device):
-        additive = None
-        if mask_BN is not None:
-            additive = torch.zeros(mask_BN.shape, dtype=q.dtype, device=q.device)
-            additive = additive.masked_fill(~mask_BN, float("-inf"))[:, None, None, :]
-        z, lse = _FusedEncodeWithLSE.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                           additive, s)
+    has_key = None if mask_BN is None else mask_BN.any(dim=-1)
+    if kernel is not None:
+        bias = None if mask_BN is None else _key_bias(mask_BN, has_key, q.dtype)
+        z, lse = _FusedEncodeWithLSE.apply(q, k, v, bias, s, kernel)
     else:
         z, lse = _explicit_encode_with_lse(q, k, v, mask_BN, s)
     lse = lse.to(lse_dtype)
     if mask_BN is not None:
-        has_key = mask_BN.any(dim=-1)[:, None, None]
+        has_key = has_key[:, None, None]
         lse = torch.where(has_key, lse, torch.full_like(lse, float("-inf")))
         z = torch.where(has_key[..., None], z, torch.zeros_like(z))
     return z, lse
