@@ -8,6 +8,9 @@ from flarepp.mixers import attention as _attention  # noqa: F401  (registers)
 from flarepp.mixers import flare as _flare  # noqa: F401  (registers)
 from flarepp.mixers import abupt as _abupt  # noqa: F401  (registers)
 from flarepp.mixers import luna as _luna  # noqa: F401  (registers)
+from flarepp.mixers import linear_attention as _linear_attention  # noqa: F401  (registers)
+from flarepp.mixers import linformer as _linformer  # noqa: F401  (registers)
+from flarepp.mixers import nystromformer as _nystromformer  # noqa: F401  (registers)
 from flarepp.mixers import transolver as _transolver  # noqa: F401  (registers)
 from flarepp.mixers.base import Mixer, MixerConfig
 from flarepp.mixers.registry import MIXERS
