@@ -5,18 +5,20 @@ Tiny settings only (C=16, one block, N <= 4096); no timing assertions.
 
 import csv
 import json
+import platform
 
 import pytest
+import torch
 from torch import nn
 
 import flarepp
 from flarepp.bench.flops import model_flops, sdpa_flops
-from flarepp.bench.scaling import (RECORD_KEYS, ScalingConfig, parse_size, parse_sizes,
-                                   ratios, run_scaling, skip_reason, write_outputs)
+from flarepp.bench.scaling import (RECORD_KEYS, ScalingConfig, format_table, parse_size,
+                                   parse_sizes, ratios, run_scaling, skip_reason, write_outputs)
 from flarepp.cli import build_parser
 
 TINY = dict(batch=1, dim=16, heads=2, blocks=1, latents=4, in_dim=2, out_dim=1, repeats=1,
-            warmup=0, peak_matmul_size=128)
+            warmup=0, peak_matmul_size=128, device="cpu")
 
 
 def test_parse_size():
@@ -102,26 +104,41 @@ def test_sweep_in_process_records_and_skips(tmp_path):
     assert paths["png"].stat().st_size > 0
 
 
-def test_cpu_point_in_fresh_interpreter():
-    """The default CPU path: the point runs in its own interpreter and reports the growth
-    of its resident set during the step (0 would mean the probe measured nothing)."""
-    config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, retain_memory=True,
+@pytest.mark.parametrize("retain", [True, False])
+def test_cpu_point_in_fresh_interpreter(retain):
+    """The default CPU path: the point runs in its own interpreter, whose allocator keeps
+    freed memory unless switched off (the record says which, as the worker applied it), and
+    reports the growth of its resident set during the step (0: the probe measured nothing)."""
+    config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, retain_memory=retain,
                            **TINY)
     (record,) = run_scaling(config, log=lambda s: None)["records"]
     assert record["status"] == "ok", record["status"]
-    assert record["malloc"] == "retain"
+    if not retain:
+        assert record["malloc"] == "system (switched off by FLAREPP_RETAIN_MEMORY=0)"
+    elif platform.libc_ver()[0] == "glibc":
+        assert record["malloc"].startswith("retain (glibc"), record["malloc"]
     assert record["peak_mem_bytes"] > 0 and "VmHWM" in record["mem_method"]
     assert record["threads"] == 1 and record["params"] > 0
+
+
+def test_retain_memory_follows_the_switch(monkeypatch):
+    """The sweep's default follows FLAREPP_RETAIN_MEMORY, as every compute command does."""
+    monkeypatch.delenv("FLAREPP_RETAIN_MEMORY", raising=False)
+    assert ScalingConfig(**TINY).retain_memory is True
+    monkeypatch.setenv("FLAREPP_RETAIN_MEMORY", "0")
+    assert ScalingConfig(**TINY).retain_memory is False
 
 
 def test_cli_parses_bench_scaling():
     """`flarepp bench scaling` parses the issue's command line, sizes with k/M suffixes."""
     args = build_parser().parse_args(
         ["bench", "scaling", "--mixers", "attention,flare,flarepp", "--n", "1k,4k,1M",
-         "--dtype", "bf16", "--device", "cpu", "--json", "out.json", "--batch", "2",
-         "--repeats", "3", "--time-budget", "60"])
+         "--dtype", "bf16", "--device", "cuda:1", "--json", "out.json", "--batch", "2",
+         "--repeats", "3", "--time-budget", "60", "--total-budget", "300"])
     assert args.n == [1024, 4096, 2 ** 20] and args.dtype == "bf16" and args.batch == 2
-    assert args.time_budget == 60.0 and args.json == "out.json"
+    assert args.time_budget == 60.0 and args.json == "out.json" and args.device == "cuda:1"
+    assert args.total_budget == 300.0
+    assert build_parser().parse_args(["bench", "scaling"]).device == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "scaling", "--n", "4q"])
 
@@ -131,10 +148,32 @@ def test_config_errors_are_named():
     settings that cannot work together."""
     with pytest.raises(ValueError, match="known mixers"):
         ScalingConfig(mixers=["flare", "flarepp++"], **TINY)
-    with pytest.raises(ValueError, match="retain_memory"):
-        ScalingConfig(retain_memory=True, isolate=False, **TINY)
     with pytest.raises(ValueError, match="warmup"):
         ScalingConfig(compile=True, **{**TINY, "warmup": 0})
+    with pytest.raises(ValueError, match="total_budget_s"):
+        ScalingConfig(total_budget_s=0.0, **TINY)
+    with pytest.raises(ValueError, match="unknown device"):
+        ScalingConfig(**{**TINY, "device": "gpu0"})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            ScalingConfig(**{**TINY, "device": "cuda"})
+    assert ScalingConfig(**{**TINY, "device": "auto"}).device == (
+        "cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_total_budget_skips_the_rest_and_the_table_shows_it():
+    """Once the sweep's total budget is spent, the remaining points are skipped with the
+    reason (gpu-check relies on this to fit its slot), and the printed table says so."""
+    config = ScalingConfig(mixers=["flare", "flarepp"], sizes=[64, 128], isolate=False,
+                           total_budget_s=1e-6, **TINY)
+    records = run_scaling(config, log=lambda s: None)["records"]
+    assert all(r["status"].startswith("skipped: the sweep's total time budget")
+               for r in records), [r["status"] for r in records]
+    config = ScalingConfig(mixers=["flare"], sizes=[64], isolate=False, **TINY)
+    records += run_scaling(config, log=lambda s: None)["records"]
+    table = format_table(records).splitlines()
+    assert table[0].split() == ["N", "flare", "flarepp"] and "skipped" in table[-1]
+    assert "/" in table[2]  # N=64: flare's measured step time / peak memory
 
 
 def test_bf16_autocast_point_runs():

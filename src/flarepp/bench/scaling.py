@@ -8,8 +8,11 @@ taken above the memory held once the model and its input exist:
 * CPU: every point runs in a fresh interpreter (freed memory of an earlier point would
   otherwise be reused unseen); peak resident set minus the resident set after importing
   torch and building the model and input (:mod:`flarepp.bench.memory`);
-* CUDA: in this process, ``torch.cuda.max_memory_allocated`` minus the memory allocated
-  after building the model and input.
+* CUDA: in this process, ``torch.cuda.max_memory_allocated`` (reset before the point's
+  steps) minus the memory allocated after building the model and input. Allocated, not
+  reserved, bytes: memory cached by earlier points does not count, and every point starts
+  from an emptied cache (also after a point that ran out of memory). Each step is timed
+  between two ``torch.cuda.synchronize`` calls, so the time covers its kernels.
 
 Each point's achieved FLOP/s is the analytic count of :mod:`flarepp.bench.flops` over the
 median step time, also given as a fraction of the machine's measured dense-matmul
@@ -28,13 +31,13 @@ killed or timed out) is recorded as ``failed: ...``; the sweep goes on.
 (a fresh interpreter each time on CPU), and pools the timed steps: on a shared machine the
 load drifts over seconds to minutes, and interleaving keeps the mixers' ratios fair.
 
-``retain_memory`` (CPU) runs the workers with glibc's malloc told to keep freed memory
-(:data:`RETAIN_MEMORY_ENV`), as CUDA's caching allocator does. By default glibc serves
-every allocation above its mmap threshold (raised as it goes, to at most 32 MiB) with a
-fresh ``mmap`` and unmaps it when freed, so each step page-faults and zeroes its large
-activations again; at N = 64k that costs about a third of the step on the 2-core
-development machine. Peak resident memory is then somewhat higher
-(freed memory is kept, fragmentation included).
+``retain_memory`` (CPU, default: on unless ``FLAREPP_RETAIN_MEMORY=0``) has each worker
+keep freed host memory for reuse (:mod:`flarepp.allocator`), as CUDA's caching allocator
+does; without it glibc unmaps large freed blocks and every step faults its activations in
+again. Every record's ``malloc`` field says what the worker's allocator did.
+
+``total_budget_s`` bounds the whole sweep: a point whose estimated time would end the sweep
+past it is skipped, with the reason, so a sweep fits a fixed slot (``make gpu-check``).
 
 FP32 runs use LayerNorm and no autocast; ``bf16`` / ``fp16`` runs use RMSNorm and autocast
 to that dtype with FP32 weights, as the paper's mixed-precision runs (C.2).
@@ -46,7 +49,7 @@ import csv
 import dataclasses
 import json
 import math
-import os
+import gc
 import platform
 import statistics
 import subprocess
@@ -58,17 +61,16 @@ from typing import Any, Callable
 
 import torch
 
+from flarepp import allocator
 from flarepp.bench.flops import MIXER_FLOPS, model_flops
 from flarepp.bench.memory import PeakMemory, available_bytes
+from flarepp.device import autocast, resolve_device, synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZE_SUFFIXES = {"": 1, "k": 2 ** 10, "m": 2 ** 20}
 PRIOR_FLOATS_PER_TOKEN_PER_BLOCK = 32  # measured ~16 (FLARE), ~21 (FLARE++) in FP32 on CPU
 PRIOR_PEAK_FRACTION = 0.2
 SAFETY = 1.3  # margin on extrapolated memory and time
-RETAIN_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 40)}
-"""glibc settings of ``retain_memory`` workers: no mmap'd chunks and no trimming, so memory
-freed in one step is reused by the next instead of being returned and faulted in again."""
 RECORD_KEYS = ("mixer", "n", "batch", "dtype", "device", "compile", "threads", "malloc",
                "status", "time_s", "cpu_time_s", "times_s", "cpu_times_s", "peak_mem_bytes",
                "baseline_mem_bytes", "mem_method", "flops", "flops_forward",
@@ -115,7 +117,7 @@ class ScalingConfig:
     in_dim: int = 3
     out_dim: int = 1
     dtype: str = "fp32"
-    device: str = "cpu"
+    device: str = "auto"  # auto, cpu, cuda or cuda:K (flarepp.device.resolve_device)
     repeats: int = 5
     warmup: int = 1
     time_budget_s: float = 600.0
@@ -123,24 +125,21 @@ class ScalingConfig:
     threads: int | None = None
     compile: bool = False
     rounds: int = 1
-    retain_memory: bool = False
+    total_budget_s: float | None = None
+    retain_memory: bool = field(default_factory=allocator.retain_memory_requested)
     isolate: bool = True  # CPU: one fresh interpreter per point (False: in-process, tests)
     peak_matmul_size: int | None = None  # side of the GEMMs of matmul_peak (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known dtypes: {', '.join(DTYPES)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {self.device!r}; known devices: cpu, cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        self.device = str(resolve_device(self.device))  # raises a sentence if unavailable
         if self.repeats < 1 or self.warmup < 0 or self.batch < 1:
             raise ValueError(f"need repeats >= 1, warmup >= 0, batch >= 1; got {self}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
-        if self.retain_memory and not (self.device == "cpu" and self.isolate):
-            raise ValueError("retain_memory sets the C allocator of the CPU worker processes; "
-                             "it needs device='cpu' and isolate=True")
+        if self.total_budget_s is not None and self.total_budget_s <= 0:
+            raise ValueError(f"total_budget_s must be positive, got {self.total_budget_s}")
         if self.compile and self.warmup < 1:
             raise ValueError("compile=True needs warmup >= 1: the first step compiles")
         from flarepp.mixers import MIXERS
@@ -169,24 +168,18 @@ def matmul_peak(device: str = "cpu", dtype: str = "fp32", *, size: int | None = 
     b = torch.randn(size, size, device=dev).to(DTYPES[dtype])
     times = []
     for i in range(repeats + 1):
-        _sync(dev)
+        synchronize(dev)
         start = time.perf_counter()
         torch.matmul(a, b)
-        _sync(dev)
+        synchronize(dev)
         if i:
             times.append(time.perf_counter() - start)
     return 2.0 * size ** 3 / statistics.median(times)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _step(model: torch.nn.Module, x: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
+def _step(model: torch.nn.Module, x: torch.Tensor, precision: str) -> None:
     model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=autocast_dtype or torch.float32,
-                        enabled=autocast_dtype is not None):
+    with autocast(precision, x.device):
         y = model(x)
     y.float().square().mean().backward()
 
@@ -203,14 +196,13 @@ def measure_point(config: ScalingConfig, mixer: str, n: int) -> dict[str, Any]:
     if config.compile:
         compile_model(model)
     x = torch.randn(config.batch, n, config.in_dim, device=dev)
-    autocast_dtype = None if config.dtype == "fp32" else DTYPES[config.dtype]
     times, cpu_times = [], []
     with PeakMemory(dev) as mem:
         for i in range(config.warmup + config.repeats):
-            _sync(dev)
+            synchronize(dev)
             start, cpu_start = time.perf_counter(), time.process_time()
-            _step(model, x, autocast_dtype)
-            _sync(dev)
+            _step(model, x, config.dtype)
+            synchronize(dev)
             if i >= config.warmup:
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu_start)
@@ -222,7 +214,9 @@ def measure_point(config: ScalingConfig, mixer: str, n: int) -> dict[str, Any]:
 
 
 def worker_main() -> None:
-    """Entry point of the fresh interpreter that measures one CPU point (or the peak)."""
+    """Entry point of the fresh interpreter that measures one CPU point (or the peak);
+    its allocator policy comes from ``FLAREPP_RETAIN_MEMORY``, set by the parent."""
+    policy = allocator.apply_policy()
     job = json.loads(sys.argv[1])
     config = ScalingConfig(**job["config"])
     if job["kind"] == "peak":
@@ -232,16 +226,17 @@ def worker_main() -> None:
                                                           size=config.peak_matmul_size),
                           "threads": torch.get_num_threads()}))
     else:
-        print(json.dumps(measure_point(config, job["mixer"], job["n"])))
+        print(json.dumps({**measure_point(config, job["mixer"], job["n"]),
+                          "malloc": str(policy)}))
 
 
 def _in_fresh_interpreter(config: ScalingConfig, job: dict[str, Any], timeout_s: float
                           ) -> dict[str, Any]:
     """Run ``job`` through :func:`worker_main` in a new interpreter; raise ``RuntimeError``
     with a one-line reason if it fails, is killed or runs past ``timeout_s``."""
-    job = {**job, "config": {**config.to_dict(), "isolate": False, "retain_memory": False}}
+    job = {**job, "config": {**config.to_dict(), "isolate": False}}
     code = "from flarepp.bench.scaling import worker_main; worker_main()"
-    env = {**os.environ, **(RETAIN_MEMORY_ENV if config.retain_memory else {})}
+    env = allocator.child_environment(config.retain_memory)
     try:
         done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
@@ -303,6 +298,8 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
     between mixers are measured side by side under the same machine load.
     """
     dev = torch.device(config.device)
+    deadline = (None if config.total_budget_s is None
+                else time.monotonic() + config.total_budget_s)
     machine = _machine(config)
     peak = machine["peak_flops_per_s"]
     log(f"dense matmul ({config.dtype}, {config.device}, {machine['threads']} threads): "
@@ -321,11 +318,18 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
         results: dict[str, list[dict[str, Any]]] = {m: [] for m in pending}
         for _ in range(config.rounds):  # round-robin: mixers side by side, each round
             for mixer, record in pending.items():
-                if record["status"] is None:
-                    try:
-                        results[mixer].append(_measure(config, mixer, n, record, dev))
-                    except (RuntimeError, torch.cuda.OutOfMemoryError) as err:
-                        record["status"] = f"failed: {str(err).splitlines()[0]}"
+                if record["status"] is not None:
+                    continue
+                if deadline is not None and (time.monotonic() + (record["estimated_time_s"]
+                                                                 or 0.0)) > deadline:
+                    if not results[mixer]:  # otherwise: finish with the rounds measured
+                        record["status"] = (f"skipped: the sweep's total time budget of "
+                                            f"{config.total_budget_s:.0f} s is spent")
+                    continue
+                try:
+                    results[mixer].append(_measure(config, mixer, n, record, dev))
+                except RuntimeError as err:  # out of memory, a worker killed or timed out
+                    record["status"] = f"failed: {str(err).splitlines()[0]}"
         for mixer, record in pending.items():
             if record["status"] is None:
                 _finish(record, results[mixer], peak)
@@ -347,7 +351,8 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
 
 
 def _machine(config: ScalingConfig) -> dict[str, Any]:
-    if config.device == "cpu" and config.isolate:
+    dev = torch.device(config.device)
+    if dev.type == "cpu" and config.isolate:
         res = _in_fresh_interpreter(config, {"kind": "peak"}, timeout_s=600)
         peak, threads = res["peak_flops_per_s"], res["threads"]
     else:
@@ -355,7 +360,7 @@ def _machine(config: ScalingConfig) -> dict[str, Any]:
             torch.set_num_threads(config.threads)
         peak = matmul_peak(config.device, config.dtype, size=config.peak_matmul_size)
         threads = torch.get_num_threads()
-    name = (torch.cuda.get_device_name() if config.device == "cuda"
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
             else platform.processor() or platform.machine())
     return {"device_name": name, "threads": threads, "torch": torch.__version__,
             "peak_flops_per_s": peak, "peak_dtype": config.dtype}
@@ -367,8 +372,7 @@ def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | 
     ``None`` when the point is to be measured."""
     record: dict[str, Any] = {k: None for k in RECORD_KEYS}
     record.update(mixer=mixer, n=n, batch=config.batch, dtype=config.dtype,
-                  device=config.device, compile=config.compile, peak_flops_per_s=peak,
-                  malloc="retain" if config.retain_memory else "system")
+                  device=config.device, compile=config.compile, peak_flops_per_s=peak)
     if mixer in MIXER_FLOPS:  # otherwise the FLOP fields stay empty and time scales with N
         counts = model_flops(config.model_settings(mixer), n, config.batch)
         record.update(flops=counts["step"], flops_forward=counts["forward"])
@@ -380,21 +384,31 @@ def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | 
 
 def _measure(config: ScalingConfig, mixer: str, n: int, record: dict[str, Any],
              dev: torch.device) -> dict[str, Any]:
-    """One round of one point: in a fresh interpreter on CPU, in this process on CUDA."""
+    """One round of one point: in a fresh interpreter on CPU, in this process on CUDA.
+
+    In this process, a point that runs out of memory raises ``RuntimeError`` only after its
+    tensors, held by the out-of-memory error's traceback, are freed and the CUDA cache is
+    emptied, so that the next point's free-memory estimate and its run start clean.
+    """
     if dev.type == "cpu" and config.isolate:
         timeout = 60 + 3 * max(record["estimated_time_s"] or 0.0, config.time_budget_s)
         return _in_fresh_interpreter(config, {"kind": "point", "mixer": mixer, "n": n}, timeout)
+    failure = None
     try:
-        return measure_point(config, mixer, n)
+        return {**measure_point(config, mixer, n), "malloc": "not set (measured in-process)"}
+    except torch.cuda.OutOfMemoryError as err:
+        failure = f"out of memory: {str(err).splitlines()[0]}"
     finally:
         if dev.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
+    raise RuntimeError(failure)
 
 
 def _finish(record: dict[str, Any], rounds: list[dict[str, Any]], peak: float) -> None:
     """Pool the rounds: median over every timed step, the largest peak memory."""
     record.update({k: rounds[-1][k] for k in ("baseline_mem_bytes", "mem_method", "threads",
-                                             "params")})
+                                             "params", "malloc")})
     record["times_s"] = [t for r in rounds for t in r["times_s"]]
     record["cpu_times_s"] = [t for r in rounds for t in r["cpu_times_s"]]
     record["time_s"] = statistics.median(record["times_s"])
@@ -417,6 +431,29 @@ def format_record(r: dict[str, Any]) -> str:
         rate = f"  {r['achieved_flops_per_s'] / 1e9:7.1f} GFLOP/s"
     return (f"{head}  step {r['time_s']:8.3f} s  peak {r['peak_mem_bytes'] / 2 ** 20:9.1f} MiB"
             f"{rate}")
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """One line per N, one column per mixer: step time [s] / peak memory [MiB], or the
+    first word of the status (``skipped``, ``failed``)."""
+    mixers = list(dict.fromkeys(r["mixer"] for r in records))
+    cell = {(r["mixer"], r["n"]): r for r in records}
+    width = 22
+    lines = [f"{'N':>9s}" + "".join(f"{m:>{width}s}" for m in mixers),
+             f"{'':>9s}" + "".join(f"{'step s / peak MiB':>{width}s}" for _ in mixers)]
+    for n in sorted({r["n"] for r in records}):
+        row = f"{n:>9d}"
+        for m in mixers:
+            r = cell.get((m, n))
+            if r is None:
+                text = "-"
+            elif r["status"] == "ok":
+                text = f"{r['time_s']:.4g} / {r['peak_mem_bytes'] / 2 ** 20:.1f}"
+            else:
+                text = r["status"].split(":")[0]
+            row += f"{text:>{width}s}"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def ratios(records: list[dict[str, Any]], numerator: str = "flarepp",

@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flarepp.device import DEVICE_HELP
+
 BENCH_DEST = "bench"
+ALLOCATOR_SWITCH = "FLAREPP_RETAIN_MEMORY=0 switches it off"
 
 
 def bench_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -47,14 +50,18 @@ def _sizes(text: str) -> list[int]:
 
 
 def _scaling(args: argparse.Namespace) -> int:
-    from flarepp.bench.scaling import ScalingConfig, ratios, run_scaling, write_outputs
+    from flarepp.bench.scaling import (ScalingConfig, format_table, ratios, run_scaling,
+                                       write_outputs)
     config = ScalingConfig(
         mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], sizes=args.n,
         batch=args.batch, dim=args.dim, heads=args.heads, blocks=args.blocks,
         latents=args.latents, dtype=args.dtype, device=args.device, repeats=args.repeats,
         warmup=args.warmup, time_budget_s=args.time_budget, threads=args.threads,
-        compile=args.compile, rounds=args.rounds, retain_memory=args.retain_memory)
+        compile=args.compile, rounds=args.rounds, total_budget_s=args.total_budget)
+    print(f"device {config.device}; CPU workers keep freed memory: {config.retain_memory} "
+          f"({ALLOCATOR_SWITCH})")
     result = run_scaling(config)
+    print("\n" + format_table(result["records"]))
     rows = ratios(result["records"])
     if rows:
         print("\nFLARE++ / FLARE:      N   step time   (CPU time)   peak memory")
@@ -71,14 +78,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bench_subparsers(sub).add_parser(
         "scaling", help="step time and peak memory of complete models against N (Figure 6)",
         description="Forward+backward step time (median after warm-up) and peak memory of "
-                    "complete models against the token count N, with achieved FLOP/s.")
+                    "complete models against the token count N, with achieved FLOP/s. CPU "
+                    "points run in fresh worker processes that keep freed memory for reuse "
+                    f"(flarepp.allocator; {ALLOCATOR_SWITCH}).")
     p.add_argument("--mixers", default="attention,flare,flarepp",
                    help="comma-separated registered mixers (default attention,flare,flarepp)")
     p.add_argument("--n", type=_sizes, default=_sizes("1k,4k,16k"),
                    help="comma-separated token counts, k = 1024, M = 1048576 (default 1k,4k,16k)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="fp32 (LayerNorm) or autocast to bf16/fp16 (RMSNorm), paper C.2")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default auto)")
     p.add_argument("--batch", type=_positive_int, default=8)
     p.add_argument("--dim", type=_positive_int, default=128, help="channels C")
     p.add_argument("--heads", type=_positive_int, default=8, help="heads H")
@@ -92,9 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
                    help="skip a point whose steps (one round) are estimated to take longer "
                         "(default 600)")
-    p.add_argument("--retain-memory", action="store_true",
-                   help="CPU: workers keep freed memory for reuse (glibc: no mmap, no trim) "
-                        "instead of faulting it in again every step")
+    p.add_argument("--total-budget", type=float, default=None, metavar="S",
+                   help="skip the points that would end the whole sweep past S seconds")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads per measurement (default: torch's default)")
     p.add_argument("--compile", action="store_true",
