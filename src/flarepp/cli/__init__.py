@@ -26,9 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMPUTE_COMMANDS = frozenset({"train", "eval", "infer", "bench", "demo", "compare"})
+"""Commands whose process keeps freed host memory for reuse (:mod:`flarepp.allocator`;
+``FLAREPP_RETAIN_MEMORY=0`` switches it off)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in COMPUTE_COMMANDS:
+            from flarepp.allocator import apply_policy
+            args.allocator = apply_policy()
         return int(args.func(args) or 0)
     except (CLIError, ValueError, FileNotFoundError, KeyError, FloatingPointError) as err:
         msg = err.args[0] if isinstance(err, KeyError) and err.args else err
@@ -36,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["CLIError", "build_parser", "main"]
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "main"]
