@@ -104,3 +104,38 @@ def test_console_script_help():
                          text=True, check=True).stdout
     for command in ("train", "eval", "plot", "demo"):
         assert command in out
+
+
+def test_runtime_settings_do_not_change_a_run(darcy_dir, tmp_path):
+    """A run with loader worker processes, stopped and resumed in one process with a
+    checkpoint that says it was written on a GPU (device cuda, a CUDA RNG state), ends
+    bitwise where an uninterrupted single-process run ends: the device and the loader are
+    runtime settings, not part of what a run computes. A failure points to worker-dependent
+    batches or to a resume check that compares runtime fields."""
+    config = get_preset("darcy-tiny", TINY + ["device=cpu"])
+    full = train(config, tmp_path / "full", data_root=darcy_dir, progress=False)
+    workers = get_preset("darcy-tiny", TINY + ["device=cpu", "loader_workers=1"])
+    assert train(workers, tmp_path / "cut", data_root=darcy_dir, progress=False,
+                 stop_after=1) is None
+    path = latest_checkpoint(tmp_path / "cut")
+    state = torch.load(path, weights_only=True)
+    state["config"]["device"] = "cuda:0"
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    torch.save(state, path)
+    resumed = train(get_preset("darcy-tiny", TINY + ["device=auto"]), tmp_path / "cut",
+                    data_root=darcy_dir, progress=False, resume=True, device="cpu")
+    for key in ("test_rel_l2", "train_rel_l2"):
+        assert resumed[key] == full[key], key
+    assert resumed["device"] == "cpu"
+
+
+def test_unknown_device_is_a_sentence(darcy_dir, tmp_path, capsys):
+    """--device with a device this machine lacks fails before any work, naming it."""
+    assert cli(["train", "darcy-tiny", "--data", str(darcy_dir), "--out",
+                str(tmp_path / "x"), "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli(["train", "darcy-tiny", "--data", str(darcy_dir), "--out",
+                    str(tmp_path / "x"), "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -106,3 +106,15 @@ def plot_run(run_dir: str | Path, cases: int = 3) -> list[Path]:
     if (run_dir / "log.jsonl").is_file():
         written.append(plot_curves(run_dir / "log.jsonl", run_dir))
     return written
+
+
+def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
+    """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
+    from flarepp.tasks import TASKS
+    run_dir = Path(run_dir)
+    config = run_dir / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{str(config)!r} not found: is {str(run_dir)!r} a flarepp "
+                                "run directory?")
+    task = json.loads(config.read_text()).get("task", "fields")
+    return TASKS.get(task).plot_run(run_dir, cases)

@@ -25,7 +25,7 @@ def _mib(n: float) -> str:
 
 def _bench_cp(args: argparse.Namespace) -> int:
     from flarepp.bench.cp import context_parallel_scaling, streaming_memory
-    from flarepp.train.loop import write_json
+    from flarepp.io import atomic_write_json as write_json
     settings = dict(mixer=args.mixer, in_dim=3, out_dim=1, dim=args.dim, heads=args.heads,
                     latents=args.latents, blocks=args.blocks)
     print(f"model {settings}; one thread per rank")

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
 
 from flarepp.cli import CLIError
-
-_AMP = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-
+from flarepp.device import DEVICE_HELP
 
 def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
                                                   np.ndarray | None]:
@@ -60,9 +57,9 @@ def _write(path: Path, pred: np.ndarray, y: np.ndarray | None, mask: np.ndarray 
 
 
 def _infer(args: argparse.Namespace) -> int:
-    import torch
-
-    from flarepp.distributed import context_parallel, torchrun_process_group
+    from flarepp.device import amp_dtype, resolve_device
+    from flarepp.distributed import context_parallel
+    from flarepp.distributed.mesh import launch
     from flarepp.distributed.inference import predict_mesh
     from flarepp.train import load_trained_model
     if args.chunk_size is not None and args.chunk_size <= 0:
@@ -72,22 +69,23 @@ def _infer(args: argparse.Namespace) -> int:
     if x.shape[-1] != tm.model.config.in_dim:
         raise CLIError(f"{args.data}: inputs have {x.shape[-1]} channels, the checkpoint's "
                        f"model takes {tm.model.config.in_dim}")
-    device = args.device or ("cpu" if not torch.cuda.is_available()
-                             else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    device = resolve_device(args.device)
     model = tm.model.to(device)
-    amp = _AMP[tm.config.precision]
+    if args.compile:
+        from flarepp.models.backbone import compile_model
+        compile_model(model)
     options = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, device=device,
-                   amp_dtype=None if amp is None else getattr(torch, amp))
+                   amp_dtype=amp_dtype(tm.config.precision))
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
     if not args.context_parallel:
         _write(Path(args.out), predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, **options),
                y, mask, how)
         return 0
-    with torchrun_process_group(timeout_s=args.timeout) as group:
-        with context_parallel(model, group) as cp:
+    with launch(device, context_parallel=0, timeout_s=args.timeout) as plan:
+        with context_parallel(model, plan.cp_group) as cp:
             pred = predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, cp=cp, **options)
-        if group.rank() == 0:
-            _write(Path(args.out), pred, y, mask, f"{how}, {group.size()} ranks")
+        if plan.is_writer:
+            _write(Path(args.out), pred, y, mask, f"{how}, {plan.cp_size} ranks")
     return 0
 
 
@@ -108,7 +106,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-parallel", action="store_true",
                    help="split every mesh's points over the ranks of a torchrun launch")
     p.add_argument("--batch-size", type=int, default=1, help="samples per forward")
-    p.add_argument("--device", help="default: cuda:LOCAL_RANK if CUDA is available, else cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block (the first forward compiles)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before a stuck collective fails (--context-parallel)")
     p.set_defaults(func=_infer)

@@ -1,4 +1,4 @@
-"""``flarepp train``, ``flarepp eval`` and ``flarepp plot``."""
+"""``flarepp train``, ``flarepp eval``, ``flarepp plot`` and ``flarepp presets``."""
 
 from __future__ import annotations
 
@@ -7,65 +7,71 @@ import json
 from pathlib import Path
 
 from flarepp.cli import CLIError
+from flarepp.device import DEVICE_HELP
 
 
 def _train(args: argparse.Namespace) -> int:
-    from flarepp.plots import plot_run
-    from flarepp.train import get_preset, train
+    from flarepp.device import resolve_device
+    from flarepp.distributed.mesh import launch
+    from flarepp.train import Trainer, get_preset
     overrides = list(args.set or [])
-    if args.precision:
-        overrides.append(f"precision={args.precision}")
+    for key in ("precision", "device"):
+        if getattr(args, key):
+            overrides.append(f"{key}={getattr(args, key)}")
+    if args.compile:
+        overrides.append("compile=True")
+    if args.workers is not None:
+        overrides.append(f"loader_workers={args.workers}")
     config = get_preset(args.preset, overrides)
     data = Path(args.data or config.data_root)
     if not data.exists():
         raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or make "
                        f"data with `flarepp data make {config.dataset} --out {data}`)")
     out = Path(args.out or f"runs/{config.name}")
-    if args.context_parallel:  # under torchrun: every rank trains on its share of the points
-        from flarepp.distributed import torchrun_process_group
-        with torchrun_process_group() as group:
-            metrics = train(config, out, data_root=data, resume=args.resume,
-                            progress=not args.quiet, stop_after=args.stop_after,
-                            cp_group=group)
-            if group.rank() != 0:
-                return 0
-    else:
-        metrics = train(config, out, data_root=data, resume=args.resume,
-                        progress=not args.quiet, stop_after=args.stop_after)
-    if metrics is None:
-        print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
-        return 0
-    plot_run(out, cases=config.plot_cases)
+    device = resolve_device(config.device)
+    with launch(device, data_parallel=args.data_parallel,
+                context_parallel=args.context_parallel) as plan:
+        trainer = Trainer(config, out, data_root=data, resume=args.resume,
+                          progress=not args.quiet, parallel=plan, device=device)
+        if trainer.is_writer and not args.quiet:
+            print(f"training {config.name} ({config.model.get('mixer')}, {config.precision}) "
+                  f"on {device}, {plan.describe()}, into {out}", flush=True)
+        metrics = trainer.fit(stop_after=args.stop_after)
+        if not trainer.is_writer:
+            return 0
+        if metrics is None:
+            print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
+            return 0
+        trainer.task.plot_run(out, config.plot_cases)
+    headline = f"test_{trainer.task.headline}"
     print(json.dumps(metrics, indent=2))
-    print(f"test relative L2: {100 * metrics['test_rel_l2']:.3f}%   (run directory: {out})")
+    print(f"{headline}: {metrics[headline]:.6g}   (run directory: {out})")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from flarepp.data import load_dataset
-    from flarepp.train import evaluate, load_trained_model
-    from flarepp.train.loop import write_json
-    tm = load_trained_model(args.checkpoint)
-    c = tm.config
-    splits = load_dataset(c.dataset, args.data or c.data_root, **c.dataset_options)
-    test = evaluate(tm.model, splits.test, tm.x_norm, tm.y_norm, max(c.batch_size, 4),
-                    c.precision)
-    train = evaluate(tm.model, splits.train, tm.x_norm, tm.y_norm, max(c.batch_size, 4),
-                     c.precision)
-    metrics = {"test_rel_l2": test["rel_l2"], "train_rel_l2": train["rel_l2"],
-               "epochs": tm.epoch, "params": sum(p.numel() for p in tm.model.parameters()),
-               "checkpoint": str(args.checkpoint)}
+    from flarepp.io import atomic_write_json
+    from flarepp.train import evaluate_checkpoint
+    metrics = evaluate_checkpoint(args.checkpoint, data_root=args.data, device=args.device,
+                                  chunk_size=args.chunk_size)
     if args.json:
-        write_json(Path(args.json), metrics)
+        atomic_write_json(Path(args.json), metrics)
     print(json.dumps(metrics, indent=2))
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from flarepp.plots import plot_run
-    for path in plot_run(args.run_dir, cases=args.cases):
+    from flarepp.plots import plot_run_dir
+    for path in plot_run_dir(args.run_dir, cases=args.cases):
         print(path)
     return 0
+
+
+def _context_parallel(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a rank count >= 1, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,19 +83,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.latents=32 (repeatable)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", help=f"where to train: {DEVICE_HELP} (default: the config's, "
+                                    "auto)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block (off by default; the first steps compile)")
+    p.add_argument("--workers", type=int, metavar="W",
+                   help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--stop-after", type=int, metavar="EPOCHS",
                    help="stop after this many epochs (resume later with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
-    p.add_argument("--context-parallel", action="store_true",
-                   help="split every mesh's points over the ranks of a torchrun launch "
-                        "(torchrun --nproc-per-node R -m flarepp train ...)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="under torchrun: split every global batch over the ranks "
+                        "(DistributedDataParallel); with --context-parallel K, over groups "
+                        "of K ranks")
+    p.add_argument("--context-parallel", type=_context_parallel, nargs="?", const=0,
+                   metavar="K",
+                   help="under torchrun: split every mesh's points over K ranks (default: "
+                        "all ranks), paper Appendix B")
     p.set_defaults(func=_train)
 
-    e = sub.add_parser("eval", help="test metric of a checkpoint (EMA weights)")
+    e = sub.add_parser("eval", help="metrics of a checkpoint (EMA weights) on its data")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help="write the metrics here (same keys as metrics.json)")
+    e.add_argument("--device", default="auto", help=DEVICE_HELP)
+    e.add_argument("--chunk-size", type=int, metavar="K",
+                   help="stream each mesh through the model K points at a time (exact)")
     e.set_defaults(func=_eval)
 
     g = sub.add_parser("plot", help="prediction and curve figures of a run directory")

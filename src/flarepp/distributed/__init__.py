@@ -18,8 +18,7 @@ from flarepp.distributed.launch import RankFailure, run_on_ranks
 from flarepp.distributed.parallel import (ContextParallel, ContextParallelBackend,
                                           all_reduce_gradients, broadcast_parameters,
                                           check_replicas, context_parallel, gather_tokens,
-                                          init_process_group, shard_sizes, shard_slice,
-                                          torchrun_process_group)
+                                          shard_sizes, shard_slice)
 from flarepp.distributed.shardable import (SHARDABLE_MIXERS, SHARDABLE_MODELS,
                                            check_token_shardable)
 from flarepp.distributed.streaming import StreamingBackend, stream_forward
@@ -28,7 +27,7 @@ __all__ = [
     "ContextParallel", "ContextParallelBackend", "RankFailure", "SHARDABLE_MIXERS",
     "SHARDABLE_MODELS", "StreamingBackend", "all_reduce_gradients", "broadcast_parameters",
     "check_replicas", "check_token_shardable", "context_parallel",
-    "distributed_encode_with_lse", "gather_tokens", "global_sum", "init_process_group",
+    "distributed_encode_with_lse", "gather_tokens", "global_sum",
     "merge_across_ranks", "predict_mesh", "run_on_ranks", "shard_sizes", "shard_slice",
-    "stream_forward", "torchrun_process_group",
+    "stream_forward",
 ]

@@ -28,13 +28,15 @@ def predict_mesh(model: nn.Module, x_SNI: np.ndarray, mask_SN: np.ndarray | None
                  x_norm: Normalizer, y_norm: Normalizer, *, batch_size: int = 1,
                  chunk_size: int | None = None, cp: ContextParallel | None = None,
                  amp_dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu") -> np.ndarray:
+                 device: torch.device | str | None = None) -> np.ndarray:
     """De-normalised predictions ``[S, N, O]``; under ``cp`` every rank returns all of them.
 
     ``amp_dtype`` runs the model under autocast (bf16/fp16 checkpoints); inputs stay on the
-    host and only the chunk (or shard) being computed is moved to ``device``.
+    host and only the chunk (or shard) being computed is moved to ``device`` (default: the
+    model's).
     """
     model.eval()
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     outputs = []
     for start in range(0, x_SNI.shape[0], batch_size):
         x = torch.from_numpy(np.ascontiguousarray(x_norm.encode(x_SNI[start:start + batch_size]),

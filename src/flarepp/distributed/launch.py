@@ -5,7 +5,7 @@ process group through a file store in a temporary directory (no port to pick), c
 ``fn(group, *args)`` on each and returns the R results in rank order. A rank that raises,
 dies or overruns ``timeout_s`` makes it raise :class:`RankFailure` naming the rank and its
 traceback or exit code; the remaining processes are then terminated. Under ``torchrun`` use
-:func:`flarepp.distributed.init_process_group` instead.
+:func:`flarepp.distributed.mesh.launch` instead.
 """
 
 from __future__ import annotations

@@ -23,15 +23,13 @@ the group is exact (see the gradient convention in :mod:`flarepp.distributed.enc
 (relative L2) uses :func:`flarepp.distributed.global_sum` and back-propagates
 ``loss / world_size``. Failures never hang silently: mismatched model configs raise at wrap
 time, mismatched latent shapes raise at the encode, and a dead rank surfaces as the
-collective's error or the process group's timeout (set it with :func:`init_process_group`).
+collective's error or the process group's timeout (set by
+:func:`flarepp.distributed.mesh.launch`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -231,37 +229,3 @@ def gather_tokens(x_r: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 1
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes_int)], dim=dim)
-
-
-def init_process_group(backend: str | None = None, *, timeout_s: float = 600.0
-                       ) -> dist.ProcessGroup:
-    """Join the ``torchrun`` job described by the environment; returns the world group.
-
-    ``backend`` defaults to NCCL when CUDA is available, else gloo (one code path for
-    both). ``timeout_s`` bounds every collective, so a dead or stuck rank ends the job with
-    an error instead of a hang.
-    """
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if key not in os.environ:
-            raise ValueError(f"context parallel needs a torchrun launch: environment "
-                               f"variable {key} is not set (run under `torchrun "
-                               f"--nproc-per-node R -m flarepp ...`)")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return dist.group.WORLD
-
-
-@contextlib.contextmanager
-def torchrun_process_group(backend: str | None = None, *, timeout_s: float = 600.0):
-    """:func:`init_process_group` as a context: yields the world group and destroys it on
-    exit if this call created it (a group the caller already set up is left alone)."""
-    created = not dist.is_initialized()
-    group = init_process_group(backend, timeout_s=timeout_s)
-    try:
-        yield group
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()

@@ -7,9 +7,11 @@ import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from flarepp.device import PRECISIONS
 from flarepp.validate import require_positive
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# How a run executes, not what it computes: a run may resume with other values.
+RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size")
 
 
 @dataclass(kw_only=True)
@@ -21,10 +23,19 @@ class RunConfig:
     (C.2). Optimisation follows the FLARE study: AdamW (0.9, 0.999, 1e-8), one-cycle
     (cosine, ``pct_start`` 0.1, ``div_factor`` = ``final_div_factor`` = 1e4) stepped per
     batch, gradient clipping at 1.0, EMA of the weights with decay 0.999.
+
+    ``task`` names the registered task (:mod:`flarepp.tasks`). The runtime fields (device,
+    compile, loader workers, streaming chunk of evaluation) change how a run executes, not
+    what it computes, so a run may be resumed with other values: ``device`` is ``auto``
+    (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``cpu``, ``cuda`` or
+    ``cuda:K``; ``loader_workers`` -1 means 2 worker processes on CUDA and none on the CPU
+    (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
+    evaluation meshes in chunks of that many points.
     """
 
     name: str
     dataset: str
+    task: str = "fields"
     dataset_options: dict[str, Any] = field(default_factory=dict)
     data_root: str = "data"
     model: dict[str, Any] = field(default_factory=dict)
@@ -44,6 +55,10 @@ class RunConfig:
     checkpoint_every: int = 10
     eval_every: int = 1
     plot_cases: int = 3
+    device: str = "auto"
+    compile: bool = False
+    loader_workers: int = -1
+    eval_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -54,6 +69,15 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def identity(self) -> dict[str, Any]:
+        """What the run computes: the config without its runtime fields."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
+    def workers(self, device_type: str) -> int:
+        if self.loader_workers >= 0:
+            return self.loader_workers
+        return 2 if device_type == "cuda" else 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":

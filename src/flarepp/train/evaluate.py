@@ -1,59 +1,67 @@
-"""The paper's metric: per-sample relative L2 on de-normalised outputs (FACTS.md 3).
+"""Evaluating a checkpoint on any device: the task's metric of its EMA model on each split.
 
-``rel_l2(s) = ||y_hat_s - y_s|| / ||y_s||`` over the real points and all channels of
-sample s; the reported test error is its mean over the test samples (a fraction).
+The model is rebuilt from the checkpoint alone, the task from the checkpoint's run config
+(reading the data from ``data_root``), and the task's normalisers are the checkpoint's (a
+model is always evaluated with the statistics it was trained with).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
+from typing import Any
+
 import torch
-from torch import nn
 
-from flarepp.data import MeshSamples, Normalizer
-
-
-def batches(samples: MeshSamples, batch_size: int, order: np.ndarray | None = None):
-    """Yield ``(index, x, y, mask)`` torch batches; ``mask`` is None for full meshes."""
-    order = np.arange(len(samples)) if order is None else order
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        mask = None if samples.mask is None else torch.from_numpy(samples.mask[idx])
-        yield idx, torch.from_numpy(samples.x[idx]), torch.from_numpy(samples.y[idx]), mask
+from flarepp.device import resolve_device
+from flarepp.distributed.mesh import SINGLE, ParallelPlan
+from flarepp.models import model_from_config
+from flarepp.tasks import Task, build_task
+from flarepp.tasks.fields import relative_l2
+from flarepp.train.checkpoint import CheckpointError, read_checkpoint
+from flarepp.train.config import RunConfig
+from flarepp.train.engine import Engine
 
 
-def relative_l2(pred_BNO: torch.Tensor, true_BNO: torch.Tensor,
-                mask_BN: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-sample ``||pred - true|| / ||true||`` over real points and channels, ``[B]``."""
-    err = (pred_BNO - true_BNO).double().square()
-    ref = true_BNO.double().square()
-    if mask_BN is not None:
-        err = err * mask_BN[..., None]
-        ref = ref * mask_BN[..., None]
-    return (err.sum((1, 2)) / ref.sum((1, 2)).clamp_min(1e-300)).sqrt()
+def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None,
+                        device: str | torch.device | None = "auto", ema: bool = True
+                        ) -> tuple[torch.nn.Module, Task, RunConfig, dict[str, Any]]:
+    """``(model on device, task with the checkpoint's normalisers, config, state)``."""
+    state = read_checkpoint(path)
+    config = RunConfig.from_dict(state["config"])
+    model = model_from_config(state["model_config"])
+    try:
+        model.load_state_dict(state["ema"] if ema else state["model"])
+    except RuntimeError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its model "
+                              f"config ({err})") from None
+    task = build_task(config, data_root if data_root is not None else config.data_root)
+    task.load_state_dict(state["normalizers"])
+    return model.to(resolve_device(device)).eval(), task, config, state
 
 
-@torch.no_grad()
-def predict(model: nn.Module, samples: MeshSamples, x_norm: Normalizer, y_norm: Normalizer,
-            batch_size: int = 4, precision: str = "fp32") -> np.ndarray:
-    """De-normalised predictions ``[S, N, O]`` (zeros at masked points)."""
-    from flarepp.train.loop import autocast
-    model.eval()
-    out = []
-    for _, x, _, mask in batches(samples, batch_size):
-        with autocast(precision):
-            pred = model(x_norm.encode(x), mask=mask)
-        pred = y_norm.decode(pred.float())
-        if mask is not None:
-            pred = pred * mask[..., None]
-        out.append(pred.numpy())
-    return np.concatenate(out, axis=0)
+def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None,
+                        device: str | torch.device | None = "auto",
+                        chunk_size: int | None = None, parallel: ParallelPlan = SINGLE,
+                        splits: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Metrics of a checkpoint's EMA model, keyed as in ``metrics.json``."""
+    model, task, config, state = load_for_evaluation(path, data_root=data_root,
+                                                     device=device)
+    device = next(model.parameters()).device
+    engine = Engine(task, device, config.precision, plan=parallel, chunk_size=chunk_size,
+                    workers=config.workers(device.type))
+    if parallel.cp_group is not None:
+        from flarepp.distributed import context_parallel
+        context_parallel(model, parallel.cp_group)
+    metrics: dict[str, Any] = {}
+    for split in splits or task.eval_splits:
+        result, _ = engine.evaluate(model, split, max(config.batch_size, 4))
+        metrics[f"{split}_{task.headline}"] = result[task.headline]
+        if "zero_target_samples" in result:
+            metrics[f"{split}_zero_target_samples"] = result["zero_target_samples"]
+    metrics.update({"epochs": int(state["epoch"]),
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "device": str(device), "checkpoint": str(path)})
+    return metrics
 
 
-def evaluate(model: nn.Module, samples: MeshSamples, x_norm: Normalizer, y_norm: Normalizer,
-             batch_size: int = 4, precision: str = "fp32") -> dict:
-    """``{"rel_l2": mean, "per_sample": [...]}`` on de-normalised outputs."""
-    pred = predict(model, samples, x_norm, y_norm, batch_size, precision)
-    mask = None if samples.mask is None else torch.from_numpy(samples.mask)
-    per = relative_l2(torch.from_numpy(pred), torch.from_numpy(samples.y), mask).numpy()
-    return {"rel_l2": float(per.mean()), "per_sample": per.tolist(), "pred": pred}
+__all__ = ["evaluate_checkpoint", "load_for_evaluation", "relative_l2"]

@@ -1,44 +1,50 @@
-"""The training loop of the paper's protocol (Tables 7-8, C.2; FACTS.md section 3).
+"""The one training loop, for every task (paper Tables 7-8, C.2; the FLARE study's protocol).
 
 AdamW, a one-cycle schedule stepped per batch, gradient clipping, an EMA of the weights
-(the reported test error is the EMA model's), FP32 by default or bf16/fp16 autocast (with
-a gradient scaler for fp16). The loss is the MSE of the normalised outputs over real
-points. Seeded; on CPU in FP32 a resumed run is bitwise identical to an uninterrupted one
-(model, optimizer, scheduler, EMA, scaler and both RNG states are checkpointed).
+(the reported metrics are the EMA model's), FP32 by default or bf16/fp16 autocast on the
+run's device (with a gradient scaler for fp16). What is learned, and how it is measured,
+comes from a :class:`flarepp.tasks.Task`; this module owns the device, the precision, the
+parallel layout, the optimiser state, checkpoints and logs.
+
+Parallelism (:mod:`flarepp.distributed.mesh`): data-parallel ranks each take a share of
+every global batch (``batch_size`` samples, the preset's) and ``DistributedDataParallel``
+averages their gradients; context-parallel ranks split the tokens of the same samples and
+sum their gradients (Appendix B). The loss of a step is the task's loss summed over the
+global batch divided by its global count, so any layout gives the single-process step.
+Global rank 0 alone writes files.
+
+Reproducibility: seeded; on the CPU in FP32 a resumed run is bitwise identical to an
+uninterrupted one (model, optimizer, scheduler, EMA, scaler and the RNG states are
+checkpointed). A checkpoint loads on any device (a GPU run resumes on a CPU machine and
+the other way round); the CUDA RNG state is restored where CUDA is used again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from flarepp.data import DatasetSplits, MeshSamples, Normalizer, load_dataset
-from flarepp.models import build_model
-from flarepp.train.checkpoint import (CheckpointError, atomic_write, read_checkpoint,
-                                      save_checkpoint)
+from flarepp.data import DatasetSplits
+from flarepp.device import grad_scaler, resolve_device
+from flarepp.distributed.mesh import SINGLE, ParallelPlan
+from flarepp.io import atomic_write_json, atomic_write_text
+from flarepp.tasks import Task, build_task
+from flarepp.train.batching import (epoch_keys, global_batches, make_loader,
+                                    steps_per_epoch, to_device_prefetched)
+from flarepp.train.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 from flarepp.train.config import RunConfig
-from flarepp.train.evaluate import batches, evaluate
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(precision: str, device_type: str = "cpu"):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=_AUTOCAST[precision])
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2) + "\n"))
+from flarepp.train.engine import Engine
+from flarepp.train.optim import build_optimizer, build_scheduler
 
 
 def checkpoint_path(out_dir: Path, epoch: int) -> Path:
@@ -46,78 +52,75 @@ def checkpoint_path(out_dir: Path, epoch: int) -> Path:
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = sorted((out_dir / "checkpoints").glob("epoch_*.pt"))
+    found = sorted((Path(out_dir) / "checkpoints").glob("epoch_*.pt"))
     return found[-1] if found else None
 
 
-def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None,
-               group=None):
-    """MSE over real points; with a context-parallel ``group``, this rank's share of it
-    (local squared errors over the global point count: the shares sum to the loss)."""
-    err = (pred.float() - target).square()
-    if group is None:
-        if mask is None:
-            return err.mean()
-        return (err * mask[..., None]).sum() / (mask.sum() * target.shape[-1])
-    if mask is not None:
-        err = err * mask[..., None]
-    count = torch.tensor(float(err.numel() if mask is None else mask.sum() * target.shape[-1]),
-                         device=err.device)
-    torch.distributed.all_reduce(count, group=group)
-    return err.sum() / count
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Base seed of an epoch's per-sample random draws (not taken from any RNG stream)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
-def normalised(samples: MeshSamples, x_norm: Normalizer, y_norm: Normalizer) -> MeshSamples:
-    out = samples.subset(slice(None))
-    out.x, out.y = x_norm.encode(samples.x), y_norm.encode(samples.y)
-    if samples.mask is not None:  # keep padding at exactly zero
-        out.x, out.y = out.x * samples.mask[..., None], out.y * samples.mask[..., None]
-    return out
+def show_progress_bars(progress: bool) -> bool:
+    """Bars on a terminal only; logs, CI and job schedulers get one line per epoch."""
+    return progress and sys.stderr.isatty()
 
 
 class Trainer:
-    """One run: data, model, optimiser state; ``fit()`` runs it to the end."""
+    """One run: task, model, optimiser state on a device; ``fit()`` runs it to the end.
+
+    ``parallel`` is the process's place in the ``("dp", "cp")`` mesh (default: one
+    process); ``device`` overrides ``config.device``; ``task`` a prebuilt task (e.g. data
+    shared by several runs), ``splits`` preloaded data for the default task.
+    """
 
     def __init__(self, config: RunConfig, out_dir: str | Path, *,
                  data_root: str | Path | None = None, resume: bool = False,
                  progress: bool = True, splits: DatasetSplits | None = None,
-                 cp_group=None) -> None:
+                 task: Task | None = None, parallel: ParallelPlan = SINGLE,
+                 device: str | torch.device | None = None) -> None:
         self.config = c = config
         self.out_dir = Path(out_dir)
-        # Context parallelism (App. B): every rank holds the whole batch and trains on its
-        # token shard; group rank 0 alone writes files.
-        self.is_writer = cp_group is None or torch.distributed.get_rank(cp_group) == 0
+        self.plan = parallel
+        self.is_writer = parallel.is_writer
         self.progress = progress and self.is_writer
+        self.device = resolve_device(device if device is not None else c.device)
         last = latest_checkpoint(self.out_dir) if resume else None
         if resume and last is None:
-            raise CheckpointError(f"--resume: no checkpoint in {str(self.out_dir / 'checkpoints')!r}")
+            raise CheckpointError(f"--resume: no checkpoint in "
+                                  f"{str(self.out_dir / 'checkpoints')!r}")
         if not resume and (self.out_dir / "checkpoints").exists() and any(
                 (self.out_dir / "checkpoints").iterdir()):
             raise ValueError(f"output directory {str(self.out_dir)!r} already holds a run; "
                              "pass --resume to continue it or choose another --out")
-        self.data_root = Path(data_root or c.data_root)
-        self.splits = splits or load_dataset(c.dataset, self.data_root, **c.dataset_options)
-        self.x_norm = Normalizer.fit(self.splits.train.x, self.splits.train.mask)
-        self.y_norm = Normalizer.fit(self.splits.train.y, self.splits.train.mask)
-        self.train_data = normalised(self.splits.train, self.x_norm, self.y_norm)
+        if task is None:
+            options = {} if splits is None else {"splits": splits}
+            task = build_task(c, data_root or c.data_root, **options)
+        self.task = task
+        self.engine = Engine(task, self.device, c.precision, plan=parallel,
+                             chunk_size=c.eval_chunk_size, workers=c.workers(self.device.type))
 
         torch.manual_seed(c.seed)
-        self.model = build_model(in_dim=self.splits.in_dim, out_dim=self.splits.out_dim,
-                                 **c.model_kwargs())
+        self.model = task.build_model().to(self.device)
         self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(c.ema_decay),
                                  use_buffers=True)
-        self.cp = None  # the EMA copy above stays unsharded: evaluation runs on every rank
-        if cp_group is not None:
+        if c.compile:
+            from flarepp.models.backbone import compile_model
+            compile_model(self.model)
+        if parallel.cp_group is not None:
             from flarepp.distributed import context_parallel
-            self.cp = context_parallel(self.model, cp_group)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=c.betas,
-                                           eps=c.eps, weight_decay=c.weight_decay)
-        self.steps_per_epoch = math.ceil(len(self.splits.train) / c.batch_size)
-        self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            self.optimizer, max_lr=c.lr, total_steps=c.epochs * self.steps_per_epoch,
-            pct_start=c.pct_start, anneal_strategy="cos", div_factor=c.div_factor,
-            final_div_factor=c.final_div_factor, cycle_momentum=False)
-        self.scaler = torch.amp.GradScaler("cpu", enabled=c.precision == "fp16")
+            context_parallel(self.model, parallel.cp_group)
+            context_parallel(self.ema.module, parallel.cp_group)
+        self.train_model: torch.nn.Module = self.model
+        if parallel.dp_group is not None:
+            self.train_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, process_group=parallel.dp_group,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = build_optimizer(self.model, c)
+        self.n_train = task.num_samples("train")
+        self.steps_per_epoch = steps_per_epoch(self.n_train, c.batch_size)
+        self.scheduler = build_scheduler(self.optimizer, c, c.epochs * self.steps_per_epoch)
+        self.scaler = grad_scaler(c.precision, self.device)
         self.shuffle = torch.Generator().manual_seed(c.seed)
         self.epoch = 0
         self.history: list[dict[str, Any]] = []
@@ -126,23 +129,26 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
             "config": self.config.to_dict(), "model_config": self.model.config.to_dict(),
             "model": self.model.state_dict(), "ema": self.ema.module.state_dict(),
             "ema_state": self.ema.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch, "history": self.history,
-            "rng": {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state()},
-            "normalizers": {"x": self.x_norm.state_dict(), "y": self.y_norm.state_dict()},
-            "data": {"dataset": self.config.dataset, "field_names": self.splits.field_names,
-                     "units": self.splits.units},
+            "epoch": self.epoch, "history": self.history, "rng": rng,
+            "task": self.config.task, "normalizers": self.task.state_dict(),
+            "data": self.task.describe_data(),
         }
 
     def _restore(self, path: Path) -> None:
         state = read_checkpoint(path)
-        if state["config"] != self.config.to_dict():
-            changed = sorted(k for k in state["config"]
-                             if state["config"][k] != self.config.to_dict().get(k))
+        stored = RunConfig.from_dict(state["config"]).identity()
+        mine = self.config.identity()
+        if stored != mine:
+            changed = sorted(k for k in stored.keys() | mine.keys()
+                             if stored.get(k) != mine.get(k))
             raise CheckpointError(f"checkpoint {str(path)!r} was written by a run with a "
                                   f"different config (differs in {changed}); resume with "
                                   "the same preset and --set options")
@@ -153,61 +159,99 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch"])
         self.shuffle.set_state(state["rng"]["shuffle"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    # -- loop ----------------------------------------------------------------------------
+    # -- one step ------------------------------------------------------------------------
+    def _global_count(self, micro: list[dict], weight: float) -> torch.Tensor:
+        """The loss normaliser of the whole global batch (all micro-batches and dp ranks)."""
+        count = sum(self.task.loss_count(b, self.engine.token_sum) for b in micro)
+        if weight != 1.0:
+            count = count * weight
+        if self.plan.dp_group is not None:
+            count = count.float().clone()
+            dist.all_reduce(count, group=self.plan.dp_group)
+        return count
+
+    def train_step(self, micro: list[dict], weight: float) -> float:
+        """Forward and backward of one global batch (this rank's micro-batches), one
+        optimiser step; returns the global batch's loss."""
+        c, plan = self.config, self.plan
+        micro = [self.engine.shard(batch) for batch in micro]
+        count = self._global_count(micro, weight)
+        # DDP averages gradients over dp ranks; a context-parallel loss is replicated on
+        # the cp ranks, whose gradients are summed: both undone by one factor.
+        factor = plan.dp_size / plan.cp_size
+        self.optimizer.zero_grad(set_to_none=True)
+        total = None
+        for j, batch in enumerate(micro):
+            sync = (self.train_model.no_sync() if plan.dp_group is not None
+                    and j < len(micro) - 1 else contextlib.nullcontext())
+            with sync:
+                pred = self.engine.forward(self.train_model, batch)
+                part = self.task.loss(pred, batch, self.engine.token_sum)
+                if weight != 1.0:
+                    part = part * weight
+                loss = part / count
+                self.scaler.scale(loss if factor == 1 else loss * factor).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if plan.dp_group is not None:
+            total = total.clone()
+            dist.all_reduce(total, group=plan.dp_group)
+        shown = total.item()
+        if not np.isfinite(shown):
+            raise FloatingPointError(f"loss became {shown} at epoch {self.epoch + 1}; try "
+                                     "--precision fp32 or a lower lr")
+        if plan.cp_group is not None:
+            from flarepp.distributed import all_reduce_gradients
+            all_reduce_gradients(self.model, plan.cp_group)  # the unsharded gradient
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.ema.update_parameters(self.model)
+        return shown
+
     def train_epoch(self) -> float:
-        c, model = self.config, self.model
-        model.train()
-        order = torch.randperm(len(self.train_data), generator=self.shuffle).numpy()
-        total, count = 0.0, 0
-        bar = tqdm(batches(self.train_data, c.batch_size, order), total=self.steps_per_epoch,
+        c, plan = self.config, self.plan
+        self.train_model.train()
+        order = torch.randperm(self.n_train, generator=self.shuffle).numpy()
+        keys = epoch_keys(order, c.batch_size, plan.dp_rank, plan.dp_size,
+                          epoch_seed(c.seed, self.epoch))
+        sizes = [len(b) for b in global_batches(order, c.batch_size)]
+        loader = make_loader(self.task, "train", keys, training=True,
+                             workers=self.engine.workers,
+                             pin_memory=self.device.type == "cuda")
+        bar = tqdm(to_device_prefetched(loader, self.device), total=len(keys),
                    desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
-                   disable=not self.progress)
-        for _, x, y, mask in bar:
-            if self.cp is not None:
-                x, y, mask = self.cp.shard(x), self.cp.shard(y), self.cp.shard(mask)
-            with autocast(c.precision):
-                pred = model(x, mask=mask)
-            loss = masked_mse(pred, y, mask, None if self.cp is None else self.cp.group)
-            shown = loss.detach()
-            if self.cp is not None:  # the whole mesh's loss, the same on every rank
-                shown = shown.clone()
-                torch.distributed.all_reduce(shown, group=self.cp.group)
-            if not torch.isfinite(shown):
-                raise FloatingPointError(f"loss became {shown.item()} at epoch "
-                                         f"{self.epoch + 1}; try --precision fp32 or a lower lr")
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()
-            if self.cp is not None:
-                self.cp.all_reduce_gradients()  # every rank: the unsharded gradient
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.scheduler.step()
-            self.ema.update_parameters(model)
-            total += shown.item() * x.shape[0]
-            count += x.shape[0]
-            bar.set_postfix(loss=f"{shown.item():.3e}")
-        return total / max(count, 1)
+                   disable=not (self.progress and show_progress_bars(True)))
+        self.step_losses: list[float] = []
+        for (micro, weight), n_global in zip(bar, sizes):
+            self.step_losses.append(self.train_step(micro, weight))
+            bar.set_postfix(loss=f"{self.step_losses[-1]:.3e}")
+        return sum(loss * n for loss, n in zip(self.step_losses, sizes)) / max(sum(sizes), 1)
 
-    def evaluate(self, samples: MeshSamples) -> dict:
-        return evaluate(self.ema.module, samples, self.x_norm, self.y_norm,
-                        batch_size=max(self.config.batch_size, 4),
-                        precision=self.config.precision)
+    def evaluate(self, split: str) -> dict[str, Any]:
+        metrics, records = self.engine.evaluate(self.ema.module, split,
+                                                max(self.config.batch_size, 4))
+        metrics["_records"] = records
+        return metrics
 
+    # -- the run -------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict[str, Any] | None:
         """Train to ``config.epochs``; ``stop_after`` ends early after that many epochs of
         this call (the run can be resumed). Returns the final metrics, or None if stopped."""
         c = self.config
+        headline = self.task.headline
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            write_json(self.out_dir / "config.json", c.to_dict())
+            atomic_write_json(self.out_dir / "config.json", c.to_dict())
             self._rewrite_log()
         done_now = 0
         while self.epoch < c.epochs:
@@ -218,15 +262,17 @@ class Trainer:
                       "lr": self.scheduler.get_last_lr()[0],
                       "seconds": time.perf_counter() - start}
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
-                record["test_rel_l2"] = self.evaluate(self.splits.test)["rel_l2"]
+                split = self.task.eval_splits[0]
+                record[f"{split}_{headline}"] = self.evaluate(split)[headline]
             self.history.append(record)
             if self.is_writer:
                 with open(self.out_dir / "log.jsonl", "a") as log:
                     log.write(json.dumps(record) + "\n")
             if self.progress:
-                extra = (f"  test rel L2 {record['test_rel_l2']:.4f}"
-                         if "test_rel_l2" in record else "")
-                print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{extra}", flush=True)
+                shown = [f"  {k.replace('_', ' ')} {v:.4f}" for k, v in record.items()
+                         if k.endswith(headline)]
+                print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{''.join(shown)}",
+                      flush=True)
             if self.is_writer and (self.epoch % c.checkpoint_every == 0
                                    or self.epoch == c.epochs):
                 save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
@@ -237,48 +283,36 @@ class Trainer:
 
     def _rewrite_log(self) -> None:
         lines = "".join(json.dumps(r) + "\n" for r in self.history)
-        atomic_write(self.out_dir / "log.jsonl", lambda tmp: Path(tmp).write_text(lines))
+        atomic_write_text(self.out_dir / "log.jsonl", lines)
 
     def finish(self) -> dict[str, Any]:
-        test = self.evaluate(self.splits.test)
-        train = self.evaluate(self.splits.train)
-        metrics = {
-            "test_rel_l2": test["rel_l2"], "train_rel_l2": train["rel_l2"],
+        headline = self.task.headline
+        results = {split: self.evaluate(split) for split in self.task.eval_splits}
+        metrics = {f"{split}_{headline}": r[headline] for split, r in results.items()}
+        for split, r in results.items():
+            if "zero_target_samples" in r:
+                metrics[f"{split}_zero_target_samples"] = r["zero_target_samples"]
+        metrics.update({
             "epochs": self.epoch, "params": self.n_params(),
             "seconds": float(sum(r["seconds"] for r in self.history)),
             "preset": self.config.name, "dataset": self.config.dataset,
-            "mixer": self.config.model.get("mixer"), "precision": self.config.precision,
-            "seed": self.config.seed,
+            "task": self.config.task, "mixer": self.config.model.get("mixer"),
+            "precision": self.config.precision, "seed": self.config.seed,
+            "device": str(self.device), "parallel": self.plan.describe(),
             "checkpoint": str(checkpoint_path(self.out_dir, self.epoch)),
-        }
+        })
         if self.is_writer:
-            save_predictions(self.out_dir / "test_predictions.npz", self.splits, test)
-            write_json(self.out_dir / "metrics.json", metrics)
+            split = self.task.eval_splits[0]
+            self.task.write_outputs(self.out_dir, split, results[split]["_records"])
+            atomic_write_json(self.out_dir / "metrics.json", metrics)
         return metrics
-
-
-def save_predictions(path: Path, splits: DatasetSplits, result: dict) -> None:
-    test = splits.test
-    coords = test.coords if test.coords is not None else test.x[..., :2]
-    arrays = {"pred": result["pred"], "true": test.y, "coords": coords,
-              "rel_l2": np.asarray(result["per_sample"]),
-              "field_names": np.asarray(splits.field_names), "units": np.asarray(splits.units)}
-    if test.mask is not None:
-        arrays["mask"] = test.mask
-    if test.grid_shape is not None:
-        arrays["grid_shape"] = np.asarray(test.grid_shape)
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, **arrays)
-    atomic_write(path, write)
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,
           resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          cp_group=None) -> dict[str, Any] | None:
-    """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content. ``cp_group``:
-    split every mesh's points over this process group (context parallelism, App. B)."""
+          parallel: ParallelPlan = SINGLE, device: str | torch.device | None = None
+          ) -> dict[str, Any] | None:
+    """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content."""
     trainer = Trainer(config, out_dir, data_root=data_root, resume=resume, progress=progress,
-                      cp_group=cp_group)
+                      parallel=parallel, device=device)
     return trainer.fit(stop_after=stop_after)

@@ -1,0 +1,22 @@
+"""Tasks: what the trainer learns (data, model, loss, metric, plots), one class per kind.
+
+``build_task(config, data_root)`` builds the task named by ``config.task``; see
+:mod:`flarepp.tasks.base` for the interface and its loss and evaluation conventions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flarepp.tasks.base import Task, gather_records, pad_stack
+from flarepp.tasks.registry import TASKS
+from flarepp.tasks import fields  # noqa: F401  (registers "fields")
+
+
+def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:
+    """The registered task ``config.task`` on the data at ``data_root``."""
+    return TASKS.get(config.task)(config, data_root, **options)
+
+
+__all__ = ["TASKS", "Task", "build_task", "gather_records", "pad_stack"]

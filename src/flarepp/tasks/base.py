@@ -1,0 +1,154 @@
+"""The task interface: what the one trainer needs to know about a problem.
+
+A task owns the data (splits, normalisation, how one sample is read and how samples are
+batched), the model it builds, the loss, the metric and the plots. The trainer
+(:mod:`flarepp.train`) owns everything else: devices, precision, data and context
+parallelism, the optimiser, EMA, checkpoints and logging. A task never moves a tensor to
+a device and never calls a collective: where a loss needs sums over the tokens of a
+sample (which context parallelism splits across ranks), the trainer hands it a
+``token_sum`` function that is the identity on one device and a differentiable
+all-reduce over the context-parallel group otherwise.
+
+Loss convention. ``loss(pred, batch, token_sum)`` returns the *sum* over the batch of the
+loss terms and ``loss_count(batch, token_sum)`` their normaliser (real points x channels
+for an MSE, samples for a per-sample error): the trainer divides the sum by the count of
+the whole global batch, so a batch split over data-parallel ranks, or over micro-batches,
+gives exactly the single-process loss and gradient.
+
+Evaluation convention. ``eval_records(pred, batch)`` turns a batch's predictions into
+per-sample records (numpy, keyed by name, with the sample ``index``); the trainer gathers
+the records of every rank and ``summarize(split, records)`` returns the metrics
+(``metrics[task.headline]`` is the number that is reported).
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+TokenSum = Callable[[torch.Tensor], torch.Tensor]
+Batch = dict[str, torch.Tensor]
+Item = dict[str, np.ndarray]
+
+
+class Task(abc.ABC):
+    """Base class; subclasses register in :data:`flarepp.tasks.TASKS`.
+
+    ``token_keys`` names the batch entries with a token axis (dim 1) that context
+    parallelism may split across ranks and that streaming may chunk; a task with none
+    cannot be token-sharded. ``eval_splits`` are evaluated at the end of a run, the first
+    of them also every ``eval_every`` epochs.
+    """
+
+    name: ClassVar[str] = ""
+    headline: ClassVar[str] = "rel_l2"
+    lower_is_better: ClassVar[bool] = True
+    token_keys: ClassVar[tuple[str, ...]] = ()
+    eval_splits: ClassVar[tuple[str, ...]] = ("test", "train")
+
+    def __init__(self, config: Any, data_root: str | Path) -> None:
+        self.config = config
+        self.data_root = Path(data_root)
+
+    # -- data ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def num_samples(self, split: str) -> int:
+        """Samples in ``split`` ("train", "test", ...)."""
+
+    @abc.abstractmethod
+    def get(self, split: str, index: int, seed: int, *, training: bool = False) -> Item:
+        """Sample ``index`` of ``split`` as numpy arrays, with its ``index``.
+
+        ``training`` asks for what the loss needs (e.g. normalised targets), otherwise
+        what the metric needs; ``seed`` drives any random sub-sampling (the same seed
+        gives the same item, on any worker)."""
+
+    def item_size(self, item: Item) -> int:
+        """Tokens of one item (what padding to a common length costs); 1 if not tokens."""
+        return 1
+
+    @abc.abstractmethod
+    def collate(self, items: list[Item]) -> Batch:
+        """Stack items into one batch, padding to the longest item (never the dataset's)."""
+
+    # -- model ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module:
+        """The model for this data (input and output widths from the data), on the CPU."""
+
+    def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return model(batch["x"], mask=batch.get("mask"))
+
+    # -- loss and metrics ----------------------------------------------------------------
+    @abc.abstractmethod
+    def loss(self, pred: torch.Tensor, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
+        """The sum over the batch of the loss terms (a scalar; see the module docstring)."""
+
+    @abc.abstractmethod
+    def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
+        """The normaliser of :meth:`loss` for this batch (a scalar, no gradient)."""
+
+    @abc.abstractmethod
+    def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
+        """Per-sample numpy records of a batch's predictions, with the sample ``index``."""
+
+    @abc.abstractmethod
+    def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Metrics of a split from all its records; ``[headline]`` is the reported one."""
+
+    # -- state and outputs ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What must travel with a checkpoint to use the model later (normalisers...)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def describe_data(self) -> dict[str, Any]:
+        """Facts about the data stored in checkpoints (field names, units...)."""
+        return {}
+
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
+                      ) -> list[Path]:
+        """Files written from the final evaluation of ``split`` (e.g. predictions)."""
+        return []
+
+    @classmethod
+    def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
+        """Figures of a finished run, from the files of its directory alone."""
+        return []
+
+
+def pad_stack(arrays: list[np.ndarray], length: int, fill: float | int = 0) -> np.ndarray:
+    """``[n_i, ...]`` arrays -> ``[len(arrays), length, ...]``, padded at the end with ``fill``."""
+    first = arrays[0]
+    out = np.full((len(arrays), length, *first.shape[1:]), fill, dtype=first.dtype)
+    for i, a in enumerate(arrays):
+        out[i, : a.shape[0]] = a
+    return out
+
+
+def gather_records(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate per-batch (or per-rank) records and order them by sample ``index``.
+
+    Records of different lengths along axis 1 (predictions of meshes padded per batch)
+    are padded with zeros to the longest.
+    """
+    parts = [p for p in parts if p and len(p["index"])]
+    if not parts:
+        return {}
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if values[0].ndim >= 2 and len({v.shape[1] for v in values}) > 1:
+            longest = max(v.shape[1] for v in values)
+            values = [np.pad(v, [(0, 0), (0, longest - v.shape[1])] + [(0, 0)] * (v.ndim - 2))
+                      for v in values]
+        out[key] = np.concatenate(values, axis=0)
+    order = np.argsort(out["index"], kind="stable")
+    return {k: v[order] for k, v in out.items()}
