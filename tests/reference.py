@@ -190,3 +190,117 @@ def assert_backend_parity(module, x, mask=None):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------
+# Causal mixers (flarepp.mixers.causal), with the N x N causal routing built explicitly.
+# ----------------------------------------------------------------------------------------
+
+def causal_allowed(N, mask=None, *, batch=1):
+    """``allowed[b, t, s]``: token t may read token s (s <= t and s real), ``[B, N, N]``."""
+    allowed = torch.ones(N, N, dtype=torch.bool).tril().expand(batch, N, N)
+    return allowed if mask is None else allowed & mask[:, None, :]
+
+
+def explicit_causal_encode_weights(scores, mask=None):
+    """``E[b, h, t, s, m] = exp(a[s, m] - L_t[m])`` for allowed (t, s), else 0, where
+    ``L_t[m] = log sum_{s allowed} exp a[s, m]``: latent m's softmax over the prefix of t."""
+    B, H, N, M = scores.shape
+    allowed = causal_allowed(N, mask, batch=B)[:, None, :, :, None]        # [B,1,t,s,1]
+    logits = scores[:, :, None, :, :].expand(B, H, N, N, M).masked_fill(~allowed, float("-inf"))
+    return masked_softmax(logits.transpose(-1, -2), None).transpose(-1, -2)
+
+
+def explicit_causal_routing(scores, mask=None):
+    """The N x N causal FLARE routing ``R[t, s] = sum_m softmax_M(a[t])_m E[t, s, m]``."""
+    return torch.einsum("bhtm,bhtsm->bhts", torch.softmax(scores, dim=-1),
+                        explicit_causal_encode_weights(scores, mask))
+
+
+def reference_causal_mixer(name: str, mixer, x, mask=None):
+    """A causal mixer's output from its parameters, explicit N x N forms throughout."""
+    c = mixer.config
+    H = c.heads
+    s = _scale(c.head_dim, c.attn_scale)
+    if mask is not None:
+        x = x * mask[..., None]
+    out_w, out_b = mixer.out_proj.weight, mixer.out_proj.bias
+    if name == "attention-causal":
+        (wq, _), (wk, _), (wv, _) = _split_weights(mixer.qkv_proj, 3)
+        q, k, v = (_heads(_lin(x, w, None), H) for w in (wq, wk, wv))
+        allowed = causal_allowed(x.shape[1], mask, batch=x.shape[0])[:, None]
+        y = masked_softmax(s * q @ k.transpose(-1, -2), allowed) @ v
+    else:
+        if name == "flare-causal":
+            (wk, bk), (wv, bv) = _split_weights(mixer.key_value_proj, 2)
+            K, V = _heads(_lin(x, wk, bk), H), _heads(_lin(x, wv, bv), H)
+            scores = s * torch.einsum("bhnd,hmd->bhnm", K, mixer.fixed_queries)
+        elif name == "flarepp-causal":
+            (wsk, bsk), (wk, bk), (wv, bv) = _split_weights(mixer.key_value_proj, 3)
+            Kt = _norm(mixer.synthesis_key_norm, _heads(_lin(x, wsk, bsk), H))     # N_0
+            K = _norm(mixer.routing_key_norm, _heads(_lin(x, wk, bk), H))          # N_a
+            V = _heads(_lin(x, wv, bv), H)
+            seeds = _norm(mixer.seed_norm, mixer.synthesis_seeds)                  # N_a
+            synthesis = explicit_causal_encode_weights(
+                s * torch.einsum("bhnd,hmd->bhnm", Kt, seeds), mask)               # [B,H,t,s,M]
+            Qd = torch.einsum("bhtsm,bhsd->bhtmd", synthesis, Kt)      # per-token queries
+            Qf = _norm(mixer.fixed_query_norm, mixer.fixed_queries)                # N_0
+            Q = Qf[None, :, None] + torch.sigmoid(mixer.gate_logit).view(1, H, 1, 1, 1) * Qd
+            scores = s * torch.einsum("bhtmd,bhtd->bhtm", Q, K)
+        else:
+            raise KeyError(name)
+        y = explicit_causal_routing(scores, mask) @ V
+    out = _lin(_unheads(y), out_w, out_b)
+    return out if mask is None else out * mask[..., None]
+
+
+# ----------------------------------------------------------------------------------------
+# Higher-order attention (flarepp.mixers.higher_order), as sums over tuples of tokens.
+# ----------------------------------------------------------------------------------------
+
+_TOKEN_LETTERS = "jklopr"
+
+
+def explicit_multilinear(q, keys, values, mask=None):
+    """The linearised L-simplicial attention summed over L-tuples of real tokens:
+    ``A[i, j1..jL] = sum_d' Q_id' prod_l K_l[j_l, d']``,
+    ``Y_id = N^-L sum_{j1..jL} A[i, j1..jL] prod_l V_l[j_l, d]``; ``O(N^(L+1))``."""
+    L = len(keys)
+    if mask is not None:
+        keys = [k * mask[:, None, :, None] for k in keys]
+    idx = _TOKEN_LETTERS[:L]
+    scores = torch.einsum(",".join(["bhie"] + [f"bh{j}e" for j in idx]) + f"->bhi{idx}",
+                          q, *keys)
+    y = torch.einsum(",".join([f"bhi{idx}"] + [f"bh{j}d" for j in idx]) + "->bhid",
+                     scores, *values)
+    n = q.shape[2] if mask is None else mask.sum(1).clamp_min(1).view(-1, 1, 1, 1)
+    y = y / n ** L
+    return y if mask is None else y * mask[:, None, :, None]
+
+
+def explicit_triple(q1, q2, k1, k2, v, mask=None):
+    """``Y_n = (1/N) sum_{m real} (q1_n . k1_m)(q2_n . k2_m) v_m``: the N x N token-pair form."""
+    pair = (q1 @ k1.transpose(-1, -2)) * (q2 @ k2.transpose(-1, -2))     # [B, H, N, N]
+    if mask is not None:
+        pair = pair * mask[:, None, None, :]
+    n = q1.shape[2] if mask is None else mask.sum(1).clamp_min(1).view(-1, 1, 1, 1)
+    y = pair @ v / n
+    return y if mask is None else y * mask[:, None, :, None]
+
+
+def reference_higher_order_mixer(name: str, mixer, x, mask=None):
+    """A higher-order mixer's output from its parameters, explicit tuple sums."""
+    H = mixer.config.heads
+    if mask is not None:
+        x = x * mask[..., None]
+    if name == "multilinear":
+        L = mixer.config.order
+        parts = [_heads(_lin(x, w, None), H) for w, _ in _split_weights(mixer.qkv_proj, 1 + 2 * L)]
+        y = explicit_multilinear(parts[0], parts[1::2], parts[2::2], mask)
+    elif name == "triple":
+        parts = [_heads(_lin(x, w, None), H) for w, _ in _split_weights(mixer.qkv_proj, 5)]
+        y = explicit_triple(*parts, mask)
+    else:
+        raise KeyError(name)
+    out = _lin(_unheads(y), mixer.out_proj.weight, mixer.out_proj.bias)
+    return out if mask is None else out * mask[..., None]

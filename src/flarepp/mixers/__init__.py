@@ -12,6 +12,9 @@ from flarepp.mixers import linear_attention as _linear_attention  # noqa: F401  
 from flarepp.mixers import linformer as _linformer  # noqa: F401  (registers)
 from flarepp.mixers import nystromformer as _nystromformer  # noqa: F401  (registers)
 from flarepp.mixers import transolver as _transolver  # noqa: F401  (registers)
+from flarepp.mixers import causal as _causal  # noqa: F401  (registers)
+from flarepp.mixers import rank_adaptive as _rank_adaptive  # noqa: F401  (registers)
+from flarepp.mixers import higher_order as _higher_order  # noqa: F401  (registers)
 from flarepp.mixers.base import Mixer, MixerConfig
 from flarepp.mixers.registry import MIXERS
 

@@ -34,6 +34,9 @@ MODELS.add("gnot", GNOT, doc="GNOT: normalized linear attention, geometry-gated 
 MODELS.add("lno", LNO, doc="Latent Neural Operator: 256 latent modes, 4 latent blocks")
 
 
+from flarepp.models import causal_lm as _causal_lm  # noqa: E402,F401  (registers)
+
+
 def list_models() -> list[str]:
     return MODELS.names()
 
