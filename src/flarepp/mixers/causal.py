@@ -13,12 +13,13 @@ Token t routes only through latents built from tokens ``u <= t``:
     Z_t[m] = sum_{u<=t} exp(a[u, m] - L_t[m]) v_u             (latent m after token t)
     y_t    = sum_m softmax_M(a[t, :])_m Z_t[m]                 (decode with prefix latents)
 
-``(Z_t, L_t)`` is the online softmax of the talk's recurrence
-``Z_t = online_softmax(Z_{t-1}, k_t, v_t)``: ``L_t`` folds the running maximum and the
-denominator into one number, and one step is the log-sum-exp merge of the FLARE++ paper's
-Appendix B, eq. 33, applied to the partial state of a single token. Two forms compute it:
+This is the online softmax of the talk's recurrence ``Z_t = online_softmax(Z_{t-1}, k_t,
+v_t)``: per latent a running maximum, a denominator and a weighted sum of values (with
+``L_t`` = maximum + log denominator), and one step is the log-sum-exp merge of the FLARE++
+paper's Appendix B, eq. 33, applied to the partial state of a single token. Two forms
+compute it:
 
-* the recurrent form (:meth:`CausalFLARE.step`) keeps ``(Z, L)``, ``B H M (D + 1)``
+* the recurrent form (:meth:`CausalFLARE.step`) keeps that state, ``B H M (D + 2)``
   numbers per layer whatever the sequence length, and costs ``O(H M D)`` per token;
 * the parallel (training) form (:func:`causal_flare`) splits the sequence into J chunks
   of T tokens. Each chunk's partial state ``(Z_c, L_c)`` is an encode over its own tokens;
@@ -55,8 +56,9 @@ gathers token u with the weight it had when it arrived, and the decode of token 
 (``flarepp-causal``): the synthesis is one more causal scan (its read-out
 ``Q_d(t)[m] . k_t`` is the same chunked algorithm with the routing keys as readers,
 :func:`causal_latent_projection`), after which the scores ``a`` go through causal FLARE.
-Its state is twice FLARE's: ``(Q_d, L~)`` and ``(Z, L)``. It is a causal variant, not
-FLARE++'s non-causal function restricted to a prefix.
+Its state is twice FLARE's: the synthesis state (whose normalised sum is ``Q_d``) and the
+encode state. It is a causal variant, not FLARE++'s non-causal function restricted to a
+prefix.
 
 **Causal attention** (``attention-causal``) is the quadratic reference: fused SDPA with
 a causal mask in training, and a KV cache in decoding (``2 B H t D`` numbers after t
@@ -96,22 +98,49 @@ NEG_INF = float("-inf")
 
 @dataclass
 class LatentState:
-    """The encode state of M latents per head after a prefix: ``Z [B, H, M, D]`` (the
-    normalised weighted sum of values) and ``L [B, H, M]`` (the log of the softmax
-    denominator, running maximum included). An empty prefix is ``Z = 0, L = -inf``."""
+    """The encode state of M latents per head after a prefix, as the talk's online softmax
+    keeps it: the running maximum ``mu [B, H, M]`` of the scores, the denominator
+    ``l = sum_u exp(a_u - mu) [B, H, M]`` and the weighted sum of values
+    ``acc = sum_u exp(a_u - mu) v_u [B, H, M, D]``. Then ``Z = acc / l`` and
+    ``L = mu + log l``. An empty prefix is ``mu = -inf, l = 0, acc = 0``.
 
-    latents: torch.Tensor          # Z   [B, H, M, D]
-    log_normaliser: torch.Tensor   # L   [B, H, M]
+    (Kept unnormalised because a step then only adds to ``l`` and ``acc`` while the
+    maximum holds: storing ``(Z, L)`` instead loses ``|L| eps`` of relative precision
+    per token through ``exp(L - L')``, which adds up over a long generation.)
+    """
+
+    running_max: torch.Tensor     # mu   [B, H, M]
+    denominator: torch.Tensor     # l    [B, H, M]
+    weighted_sum: torch.Tensor    # acc  [B, H, M, D]
 
     @classmethod
     def empty(cls, batch: int, heads: int, latents: int, head_dim: int, *,
               device: torch.device | None = None, dtype: torch.dtype = torch.float32
               ) -> "LatentState":
-        return cls(torch.zeros(batch, heads, latents, head_dim, device=device, dtype=dtype),
-                   torch.full((batch, heads, latents), NEG_INF, device=device, dtype=dtype))
+        return cls(torch.full((batch, heads, latents), NEG_INF, device=device, dtype=dtype),
+                   torch.zeros(batch, heads, latents, device=device, dtype=dtype),
+                   torch.zeros(batch, heads, latents, head_dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_normalised(cls, latents: torch.Tensor, log_normaliser: torch.Tensor
+                        ) -> "LatentState":
+        """From ``(Z, L)`` (the parallel form's merge result): ``mu = L``, ``l = 1``."""
+        finite = torch.isfinite(log_normaliser)
+        return cls(log_normaliser, finite.to(latents.dtype), latents)
+
+    @property
+    def latents(self) -> torch.Tensor:
+        """``Z = acc / l`` (0 for an empty prefix), ``[B, H, M, D]``."""
+        den = self.denominator.unsqueeze(-1)
+        return torch.where(den > 0, self.weighted_sum / torch.where(den > 0, den, 1.0), 0.0)
+
+    @property
+    def log_normaliser(self) -> torch.Tensor:
+        """``L = mu + log l`` (``-inf`` for an empty prefix), ``[B, H, M]``."""
+        return self.running_max + torch.log(self.denominator)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.latents, self.log_normaliser]
+        return [self.running_max, self.denominator, self.weighted_sum]
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -151,11 +180,15 @@ def merge_states(z_a: torch.Tensor, l_a: torch.Tensor, z_b: torch.Tensor, l_b: t
 
 def online_softmax_step(state: LatentState, scores_BHM: torch.Tensor,
                         values_BHD: torch.Tensor) -> LatentState:
-    """One token enters every latent: the state of ``{token}`` is ``Z = v``, ``L = a``,
-    merged into ``state`` by eq. 33 (the talk's ``Z_t = online_softmax(Z_{t-1}, k_t, v_t)``)."""
-    z, l = merge_states(state.latents, state.log_normaliser,
-                        values_BHD.unsqueeze(-2).expand_as(state.latents), scores_BHM)
-    return LatentState(z, l)
+    """One token enters every latent (the talk's ``Z_t = online_softmax(Z_{t-1}, k_t, v_t)``):
+    ``mu' = max(mu, a)``, ``l' = l e^{mu - mu'} + e^{a - mu'}``,
+    ``acc' = acc e^{mu - mu'} + e^{a - mu'} v`` -- eq. 33 for the partial state of one token."""
+    running_max = torch.maximum(state.running_max, scores_BHM)
+    rescale = _exp_minus(state.running_max, running_max)    # 0 for an empty prefix
+    weight = torch.exp(scores_BHM - running_max)
+    return LatentState(running_max, state.denominator * rescale + weight,
+                       state.weighted_sum * rescale.unsqueeze(-1)
+                       + weight.unsqueeze(-1) * values_BHD.unsqueeze(-2))
 
 
 # ----------------------------------------------------------------------------------------
@@ -233,7 +266,7 @@ def _prepare(scores_BHNM: torch.Tensor, values_BHND: torch.Tensor,
     span = torch.where(real & torch.isfinite(log_norm), mu - log_norm.detach(),
                        torch.full_like(log_norm, NEG_INF))
     unsafe = span.amax(dim=(3, 4)) > _safe_span(a.dtype)
-    final = LatentState(z_incl[:, :, -1], l_incl[:, :, -1])
+    final = LatentState.from_normalised(z_incl[:, :, -1], l_incl[:, :, -1])
     return _Chunked(a, real, mu, e, log_norm, prefix_weight, z_pre, v, final, unsafe)
 
 
@@ -458,7 +491,7 @@ class CausalFLARE(_CausalMixer):
         B = x_t.shape[0]
         keys, values = self.key_value_proj(x_t).view(B, 2, self.heads, self.head_dim).unbind(1)
         with _no_autocast(x_t.device):
-            dtype = state.encode.latents.dtype
+            dtype = state.encode.weighted_sum.dtype
             keys, values = keys.to(dtype), values.to(dtype)
             scores = self.scale * torch.einsum("bhd,hmd->bhm", keys,
                                                self.fixed_queries.to(dtype))
@@ -550,7 +583,7 @@ class CausalFLAREPP(_CausalMixer):
         synthesis_keys, keys, values = (t.squeeze(1) for t in self._projections(x_t[:, None]))
         s = self.scale
         with _no_autocast(x_t.device):
-            dtype = state.encode.latents.dtype
+            dtype = state.encode.weighted_sum.dtype
             synthesis_keys, keys, values = (t.to(dtype) for t in (synthesis_keys, keys, values))
             seeds, fixed, gate = self._latent_queries(dtype)
             synthesis = online_softmax_step(
