@@ -1,19 +1,24 @@
-"""Exact streaming inference (chunked encodes merged by log-sum-exp) vs the plain forward.
+"""Exact block-wise streaming inference (chunked encodes merged by log-sum-exp) vs the
+plain forward.
 
-Shape letters: B batch, N tokens, K chunk size. float64 results must match the unchunked
-forward to 1e-10 (relative to max(1, |y|)).
+Shape letters: B batch, N tokens, K chunk size, C channels. float64 results must match the
+unchunked forward to 1e-10 (relative to max(1, |y|)).
 """
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
-from flarepp.distributed import SHARDABLE_MIXERS, StreamingBackend, stream_forward
+from flarepp.distributed import (SHARDABLE_MIXERS, StreamingBackend, gather_tokens,
+                                 run_on_ranks, shard_slice, stream_forward)
 from flarepp.distributed.streaming import _EncodeReached
-from flarepp.mixers import list_mixers
+from flarepp.mixers import build_mixer, list_mixers
 from flarepp.models import build_model
-from flarepp.ops import FUSED
+from flarepp.ops import FUSED, AttentionBackend, set_backend
 
 SHARDABLE = [name for name in list_mixers() if name in SHARDABLE_MIXERS]
 NOT_SHARDABLE = [name for name in list_mixers() if name not in SHARDABLE_MIXERS]
@@ -44,7 +49,7 @@ def batch(masked: bool):
 
 @pytest.mark.parametrize("mixer", SHARDABLE)
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("chunk_size", [1, 6, 7, 100])  # divides N, does not, K=1, K > N
+@pytest.mark.parametrize("chunk_size", [1, 7, N // 3, 100])  # K=1, not dividing N, N/3, K>N
 def test_streaming_equals_unchunked(mixer, masked, chunk_size):
     """Every token-shardable mixer, chunk sizes that divide N and that do not, with padding:
     a failure points at the chunk merge or at the pass order (FLARE++'s synthesis encode
@@ -58,7 +63,7 @@ def test_streaming_equals_unchunked(mixer, masked, chunk_size):
     assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
 
 
-@pytest.mark.parametrize("chunk_size", [6, 7])
+@pytest.mark.parametrize("chunk_size", [1, 7, N // 3])
 def test_streaming_luna_with_carried_packed_stream(chunk_size):
     """Luna's backbone carries a packed stream [B, M, C] across blocks, updated only by
     encodes: streaming must replay it exactly (a failure points at the pass order)."""
@@ -111,16 +116,206 @@ def test_unstreamable_mixers_are_refused(mixer):
         stream_forward(model, torch.randn(1, 8, 3), chunk_size=4)
 
 
-def test_streaming_peak_memory_is_flat_in_n():
-    """Peak memory of a streamed forward at a fixed chunk (K=1024) must stay within 20% as
-    N grows 16x (2048 -> 32768), while the unchunked forward at 32768 needs several times
-    more (which shows the measurement can see growth). Each N runs in a fresh interpreter
-    and reads the kernel's resident-set high-water mark; a failure points at an O(N)
-    buffer in the streaming driver (e.g. outputs collected in a list, cached activations)."""
+def test_streaming_peak_memory_is_hidden_state_plus_chunk():
+    """Peak memory of a streamed forward at a fixed chunk (K=1024) as N grows 32x
+    (2048 -> 65536): what it adds beyond the hidden state h [B, N, C] must stay within 20%
+    of the small run's whole peak, while the unchunked forward at 65536 needs several
+    times more (which shows the measurement can see growth). Each N runs in a fresh
+    interpreter and reads the kernel's resident-set high-water mark; a failure points at
+    an O(N) buffer in the streaming driver beyond h (a second copy of the hidden state,
+    outputs collected in a list, cached activations)."""
     from flarepp.bench.cp import measure_forward_memory
     settings = dict(mixer="flarepp", in_dim=3, out_dim=1, dim=64, heads=4, latents=16,
                     blocks=2)
     small = measure_forward_memory(settings, 2048, [1024])[0]
-    large, unchunked = measure_forward_memory(settings, 32768, [1024, None])
-    assert large["peak_bytes"] <= 1.2 * small["peak_bytes"], (small, large)
+    large, unchunked = measure_forward_memory(settings, 65536, [1024, None])
+    hidden_bytes = 65536 * settings["dim"] * 4  # float32 h [1, N, C]
+    assert large["peak_bytes"] - hidden_bytes <= 1.2 * small["peak_bytes"], (small, large)
     assert unchunked["peak_bytes"] >= 3 * large["peak_bytes"], (large, unchunked)
+
+
+class CountingBackend(AttentionBackend):
+    """The fused backend, counting encodes."""
+
+    def __init__(self) -> None:
+        self.encodes = 0
+
+    def encode(self, q, k, v, mask=None, *, scale=None):
+        self.encodes += 1
+        return super().encode(q, k, v, mask, scale=scale)
+
+
+def encodes_per_block(model: torch.nn.Module, x, mask) -> int:
+    """E: the encodes one block runs in the unchunked forward."""
+    counter = CountingBackend()
+    set_backend(model, counter)
+    with torch.no_grad():
+        model(x, mask)
+    set_backend(model, FUSED)
+    return counter.encodes // len(model.blocks)
+
+
+@pytest.mark.parametrize("mixer", SHARDABLE)
+def test_each_stage_runs_once_per_token_and_each_block_in_e_plus_1_passes(mixer, capsys):
+    """Block-wise streaming never replays the model from its input: over 3 chunks the input
+    and output projections and every FFN run once per chunk, and a block with E encodes
+    runs its pre-norm in E + 1 passes per chunk. The progress bar counts the same passes.
+    A failure points at a pass structure that recomputes earlier blocks."""
+    model = tiny_model(mixer)
+    x, mask = batch(True)
+    encodes = encodes_per_block(model, x, mask)
+    calls: dict[str, int] = {}
+
+    def count(name):
+        def hook(module, args, output):
+            calls[name] = calls.get(name, 0) + 1
+        return hook
+
+    hooks = [model.in_proj.register_forward_hook(count("in_proj")),
+             model.out_proj.register_forward_hook(count("out_proj"))]
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.mixer_norm.register_forward_hook(count(f"mixer_norm{i}")))
+        hooks.append(block.ffn.register_forward_hook(count(f"ffn{i}")))
+    got = stream_forward(model, x, mask, chunk_size=N // 3, progress=True)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        want = model(x, mask)
+    assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+    expected = {"in_proj": 3, "out_proj": 3}
+    for i in range(len(model.blocks)):
+        expected |= {f"mixer_norm{i}": 3 * (encodes + 1), f"ffn{i}": 3}
+    assert calls == expected
+    passes = 2 + len(model.blocks) * (encodes + 1)
+    assert f"{passes}/{passes}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hidden_on", ["device", "host", "memmap"])
+def test_hidden_state_placements_agree(hidden_on, tmp_path):
+    """The hidden state in device memory, host memory or a memory-mapped file gives the
+    unchunked outputs, and the file's temporary directory is removed afterwards; a
+    failure points at the storage (e.g. a memmap view with wrong strides or offset)."""
+    model = tiny_model("flarepp")
+    x, mask = batch(True)
+    with torch.no_grad():
+        want = model(x, mask)
+    got = stream_forward(model, x, mask, chunk_size=7, hidden_on=hidden_on,
+                         memmap_dir=tmp_path)
+    assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+    assert os.listdir(tmp_path) == []
+
+
+def test_auto_placement_spills_to_a_memory_mapped_file(tmp_path, monkeypatch):
+    """``hidden_on="auto"`` with a budget smaller than h [B, N, C] writes h to a file in
+    ``memmap_dir`` (seen while it exists) and still gives the unchunked outputs."""
+    import flarepp.distributed.streaming as streaming
+    seen = []
+    original = streaming._hidden_storage
+
+    def spy(kind, *args, **kwargs):
+        out = original(kind, *args, **kwargs)
+        seen.append((kind, [p.name for p in tmp_path.rglob("*")]))
+        return out
+
+    monkeypatch.setattr(streaming, "_hidden_storage", spy)
+    model = tiny_model("flare")
+    x, mask = batch(True)
+    with torch.no_grad():
+        want = model(x, mask)
+    got = stream_forward(model, x, mask, chunk_size=5, memory_budget=100,
+                         memmap_dir=tmp_path)
+    assert [kind for kind, _ in seen] == ["memmap"] and "hidden.bin" in seen[0][1]
+    assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+    assert os.listdir(tmp_path) == []
+    stream_forward(model, x, mask, chunk_size=5, memory_budget=2 ** 40)
+    assert seen[-1][0] == "host"
+
+
+def test_padded_chunks_and_an_all_padding_sample():
+    """A chunk with no real token in any sample (every L_c = -inf) and a sample that is
+    padding throughout (Z = 0 in every block) stream exactly, outputs zero at padding."""
+    model = tiny_model("flarepp")
+    x, _ = batch(False)
+    x = torch.cat([x, x[:1]], dim=0)  # B = 3
+    mask = torch.ones(3, N, dtype=torch.bool)
+    mask[:, 8:16] = False             # chunk [8, 16) of K=8 holds no real token at all
+    mask[2] = False                   # sample 2: no real token anywhere
+    with torch.no_grad():
+        want = model(x, mask)
+    got = stream_forward(model, x, mask, chunk_size=8)
+    assert torch.isfinite(got).all() and (got[~mask] == 0).all()
+    assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+
+
+def test_autocast_bf16_with_a_memory_mapped_bf16_hidden_state(tmp_path):
+    """Under bf16 autocast the residual stream is bf16 (stored as bf16 bytes in the file)
+    and the partials are merged in float32: the streamed outputs match the unchunked
+    autocast forward up to bf16 rounding (3e-2 of the output scale); a failure far above
+    that points at the byte view of the memory-mapped state or at merging in bf16."""
+    model = tiny_model("flarepp").float()
+    x, mask = batch(True)
+    x = x.float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, mask)
+        got = stream_forward(model, x, mask, chunk_size=7, hidden_on="memmap",
+                             memmap_dir=tmp_path)
+    assert got.dtype == want.dtype
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * scale
+
+
+def test_model_without_a_plan_and_bad_options_are_refused():
+    """A model whose mixers are shardable but which declares no streaming plan, and an
+    unknown ``hidden_on``, raise errors that say what is missing."""
+    class Bare(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer = build_mixer("flare", dim=16, heads=2, latents=4)
+
+        def forward(self, x, mask=None):
+            return self.mixer(x, mask)
+
+    with pytest.raises(ValueError, match="declares no streaming_plan"):
+        stream_forward(Bare(), torch.randn(1, 8, 16), chunk_size=4)
+    with pytest.raises(ValueError, match="hidden_on must be one of"):
+        stream_forward(tiny_model("flare"), torch.randn(1, 8, 3), chunk_size=4,
+                       hidden_on="disk")
+
+
+CP_MODELS = [("flare", "surrogate"), ("flarepp", "surrogate"),
+             ("flarepp-simple", "surrogate"), ("luna", "luna")]
+
+
+def stream_on_ranks(group) -> dict:
+    """Rank r streams its shard of a 23-token batch (shards of 15 and 8 tokens) for every
+    model of ``CP_MODELS`` and chunk sizes 1 and 7; returns the gathered outputs."""
+    rank = torch.distributed.get_rank(group)
+    x, mask = batch(True)
+    x, mask = x[:, :23], mask[:, :23]
+    sl = shard_slice(23, rank, 2, [15, 8])
+    out = {}
+    for mixer, arch in CP_MODELS:
+        model = tiny_model(mixer, arch=arch)
+        for chunk_size in (1, 7):
+            y_r = stream_forward(model, x[:, sl], mask[:, sl], chunk_size=chunk_size,
+                                 group=group)
+            out[f"{mixer}/{chunk_size}"] = gather_tokens(y_r, group).numpy()
+    return out
+
+
+def test_block_wise_streaming_composes_with_2_rank_context_parallelism():
+    """Each of 2 gloo ranks streams its own token shard block by block, every encode pass
+    merged across the ranks: the gathered outputs equal the unchunked single-process
+    forward. A failure points at the cross-rank merge in ``StreamingBackend.finish_pass``
+    or at ranks running different numbers of passes."""
+    ranks = run_on_ranks(stream_on_ranks, 2, timeout_s=120)
+    x, mask = batch(True)
+    x, mask = x[:, :23], mask[:, :23]
+    for mixer, arch in CP_MODELS:
+        with torch.no_grad():
+            want = tiny_model(mixer, arch=arch)(x, mask).numpy()
+        for chunk_size in (1, 7):
+            for r in ranks:
+                got = r[f"{mixer}/{chunk_size}"]
+                assert np.abs(got - want).max() <= 1e-10 * max(1.0, np.abs(want).max()), \
+                    (mixer, chunk_size)

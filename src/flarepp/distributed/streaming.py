@@ -1,26 +1,53 @@
-"""Exact streaming inference: a mesh of any size through a single-device model in chunks.
+"""Exact block-wise streaming inference: a mesh of any size through one device in chunks.
 
-Shape letters: B batch, N tokens, K chunk size, H heads, M latents, D head width.
+Shape letters: B batch, N tokens, K chunk size, C channels, H heads, M latents, D head width.
 
-A FLARE-family model is pointwise in the tokens except for its encodes, each of which
-reduces all N tokens to ``Z [B, H, M, D]``. Encode ``e`` (in forward order) depends on the
-tokens only through pointwise maps and the earlier encodes' latents. So the exact forward
-runs in passes over chunks of K tokens:
+A streamable model declares its forward as a
+:class:`~flarepp.models.backbone.StreamingPlan` (``model.streaming_plan()``)::
 
-* pass ``e``: for every chunk, run the model up to encode ``e`` using the finished latents
-  ``Z_0 .. Z_{e-1}`` for the earlier encodes, compute the chunk's partial ``(Z_c, L_c)``
-  with the fused kernel and merge it into a running ``(Z, L)`` by the log-sum-exp rule of
-  eq. 33 (``L = logsumexp(L, L_c)``, ``Z = exp(L_old - L) Z + exp(L_c - L) Z_c``), then stop
-  that chunk's forward. FLARE needs one such pass per block; FLARE++ two (its synthesis
-  encode is complete over all chunks before the value-gathering encode starts);
-* last pass: run every chunk through the whole model with all latents known and write
-  its outputs.
+    h_0 = embed(x)                        pointwise in the tokens, [B, N, C]
+    (h_{l+1}, p_{l+1}) = block_l(h_l, p_l)   l = 0 .. L-1
+    y = head(h_L)                         pointwise
 
-Live memory is O(K C) activations plus O(B H M D) per encode and the inputs and outputs
-themselves, independent of N; the price is recomputation: pass ``e`` replays the model up
-to encode ``e``, about ``E/2 + 1`` full forwards for ``E`` encodes. With a process group,
-each pass's merged partial is further merged across ranks (streaming within each rank's
-shard, exact over the whole mesh).
+where block ``l`` mixes tokens only through its encodes ``Z_{l,1} .. Z_{l,E_l}`` (each
+``softmax_N(s Q K^T) V``, ``[B, H, M, D]``; FLARE has one per block, FLARE++, simplified
+FLARE++ and v1 two, Luna one) and ``p`` is state that is the same for every token (Luna's
+packed stream ``[B, M, C]``; none for the backbone). Encode ``e`` of a block depends on the
+tokens only through pointwise maps of ``h_l`` and the block's earlier encodes. So the
+hidden state ``h_l`` of all N tokens is kept between blocks, and each block runs as
+``E_l + 1`` passes over chunks of K tokens:
+
+* pass ``e = 1 .. E_l``: for every chunk ``c``, run the block on ``h_l[c]`` with the
+  finished latents ``Z_{l,1} .. Z_{l,e-1}`` served for its earlier encodes; at encode ``e``
+  take the chunk's partial ``(Z_c, L_c)`` from the fused kernel (``L_c`` the row-wise
+  log-sum-exp) and merge it into a running ``(Z, L)`` by eq. 33 (Appendix B.2-B.3)::
+
+      L <- logsumexp(L, L_c),    Z <- exp(L_old - L) Z + exp(L_c - L) Z_c,
+
+  then stop that chunk's block. A chunk with no real token has ``L_c = -inf`` and weighs
+  zero. FLARE++'s synthesis encode is thus complete over all chunks before its routing
+  encode starts;
+* last pass: run the block on every chunk with all its latents served (decode, output
+  projection, residuals, FFN) and write ``h_{l+1}[c]`` over ``h_l[c]``; ``p_{l+1}``, a
+  function of ``p_l`` and the latents alone, is the same from every chunk.
+
+``embed`` runs once per chunk before the first block and ``head`` once after the last.
+
+Cost. No block is ever replayed from the model's input: every token goes once through
+``embed``, ``head`` and each block's decode, output projection and FFN; the ``E_l`` encode
+passes of a block recompute only its pre-norm, input projection and per-head norms before
+the encode they stop at. For FLARE++ (C=128, M=64) that is about 1.3-1.5 unchunked forwards
+in FLOPs, against ``E/2 + 1`` forwards for ``E`` encodes when each pass replays the model
+from its input up to the encode. With a process group each pass's merged partial is further
+merged across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every rank
+streams its own token shard, exactly over the whole mesh.
+
+Memory. The hidden state ``h [B, N, C]`` in the residual stream's dtype (float32, or the
+autocast dtype), stored where ``hidden_on`` says: on the compute device, in host memory, or
+in a memory-mapped file in a temporary directory; the inputs ``[B, N, I]`` and outputs
+``[B, N, O]`` where the caller keeps them; per chunk one block's activations on K tokens,
+``O(K C)``; per encode ``O(B H M D)``. Nothing grows with N but ``h`` and the in- and outputs.
+Under autocast the partials are accumulated in float32 (float64 for float64 models).
 
 The driver swaps in :class:`StreamingBackend` for the duration of the call and restores the
 mixers' backends afterwards; the model code is not touched. Inference only (no autograd).
@@ -28,35 +55,60 @@ mixers' backends afterwards; the model code is not touched. Inference only (no a
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import tempfile
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from flarepp.distributed.encoder import merge_across_ranks
 from flarepp.distributed.shardable import (check_token_shardable, install_backend,
                                             restore_backends)
 from flarepp.ops import AttentionBackend, encode_with_lse, merge_partials
 
+HIDDEN_ON = ("auto", "device", "host", "memmap")
+"""Where :func:`stream_forward` keeps the hidden state ``[B, N, C]`` between blocks."""
+HIDDEN_BUDGET_FRACTION = 0.5
+"""``hidden_on="auto"``: the share of the memory available at the call that ``h`` may take."""
+
 
 class _EncodeReached(Exception):
-    """Raised by the streaming backend to end a chunk's forward once its partial is taken."""
+    """Raised by the streaming backend to end a chunk's block once its partial is taken."""
 
 
 class StreamingBackend(AttentionBackend):
-    """Serves finished latents for earlier encodes and accumulates the target encode."""
+    """Serves a block's finished latents for its earlier encodes, accumulates the next one.
+
+    Per block: :meth:`start_block`; per pass and chunk: :meth:`start_chunk`, then the
+    block's forward, which ends with :class:`_EncodeReached` at the first unfinished
+    encode; per pass: :meth:`finish_pass`. A forward that reaches no unfinished encode is
+    the block's last pass.
+    """
 
     name = "streaming"
 
     def __init__(self) -> None:
-        self.latents: list[torch.Tensor] = []   # finished Z per encode, in forward order
+        self.latents: list[torch.Tensor] = []   # this block's finished Z, in forward order
         self.queries: list[torch.Tensor] = []   # the queries each Z was computed with
-        self.target = 0                         # the encode being accumulated in this pass
-        self.calls = 0                          # encodes seen in the current chunk's forward
+        self.calls = 0                          # encodes seen in the current chunk's block
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # running (Z, L)
         self.partial_query: torch.Tensor | None = None
         self.partial_dtype: torch.dtype | None = None  # the dtype encode() would return
+
+    @property
+    def target(self) -> int:
+        """The encode (in the block's forward order) the current pass accumulates."""
+        return len(self.latents)
+
+    def start_block(self) -> None:
+        self.latents, self.queries = [], []
+        self.partial, self.partial_query = None, None
 
     def start_chunk(self) -> None:
         self.calls = 0
@@ -88,14 +140,13 @@ class StreamingBackend(AttentionBackend):
         raise _EncodeReached
 
     def finish_pass(self, group: dist.ProcessGroup | None) -> None:
-        """Turn the running partial into encode ``target``'s latents (merged over ``group``)."""
+        """Turn the running partial into the target encode's latents (merged over ``group``)."""
         z, lse = self.partial
         if group is not None:
             z, lse = merge_across_ranks(z, lse, group)
         self.latents.append(z.to(self.partial_dtype))
         self.queries.append(self.partial_query)
         self.partial, self.partial_query = None, None
-        self.target += 1
 
     def self_attention(self, q, k, v, mask=None, *, scale=None):
         raise ValueError("streaming: full self-attention cannot be computed chunk by chunk "
@@ -108,47 +159,156 @@ def _chunks(n_tokens: int, chunk_size: int) -> list[slice]:
     return [slice(i * chunk_size, min(n_tokens, (i + 1) * chunk_size)) for i in range(count)]
 
 
+def _available_bytes(device: torch.device) -> int:
+    """Memory free for a new buffer: free device memory, or the host's ``MemAvailable``."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if os.path.exists("/proc/meminfo"):  # Linux: free memory plus reclaimable caches
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # POSIX: free pages
+
+
+def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
+                  memory_budget: int | None) -> str:
+    """Resolve ``hidden_on="auto"``: the compute device if it is not the host and ``h`` fits
+    its budget, else host memory if it fits there, else a memory-mapped file."""
+    if hidden_on != "auto":
+        return hidden_on
+    host = torch.device("cpu")
+    if device != host:
+        budget = (memory_budget if memory_budget is not None
+                  else HIDDEN_BUDGET_FRACTION * _available_bytes(device))
+        if nbytes <= budget:
+            return "device"
+    budget = (memory_budget if memory_budget is not None
+              else HIDDEN_BUDGET_FRACTION * _available_bytes(host))
+    return "host" if nbytes <= budget else "memmap"
+
+
+def _hidden_storage(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device, memmap_dir: str | os.PathLike | None,
+                    stack: contextlib.ExitStack) -> torch.Tensor:
+    """An uninitialised ``[B, N, C]`` buffer on ``device``, in host memory or in a file."""
+    if kind == "device":
+        return torch.empty(shape, dtype=dtype, device=device)
+    if kind == "host":
+        return torch.empty(shape, dtype=dtype)
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="flarepp-hidden-",
+                                                                dir=memmap_dir))
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    # A byte file viewed as `dtype`: numpy has no bfloat16, torch reinterprets the bytes.
+    array = np.memmap(os.path.join(directory, "hidden.bin"), dtype=np.uint8, mode="w+",
+                      shape=(max(1, nbytes),))
+    return torch.from_numpy(array)[:nbytes].view(dtype).view(shape)
+
+
+def _to(x: torch.Tensor | None, sl: slice, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x[:, sl].to(device)
+
+
 def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor | None = None,
                    *, chunk_size: int, device: torch.device | str | None = None,
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``model(x, mask)`` computed exactly in chunks of ``chunk_size`` tokens.
+                   group: dist.ProcessGroup | None = None, hidden_on: str = "auto",
+                   memmap_dir: str | os.PathLike | None = None,
+                   memory_budget: int | None = None, progress: bool = False) -> torch.Tensor:
+    """``model(x, mask)`` computed exactly, block by block, in chunks of ``chunk_size`` tokens.
 
-    ``x`` and ``mask`` may stay on the host; each chunk is moved to ``device`` (default: the
-    model's) and the outputs are written back to ``x``'s device. With ``group``, ``x`` is
-    this rank's token shard and the encodes are merged across the group as well (call it
-    on every rank). Raises ``ValueError`` for a model with a mixer that cannot stream.
+    ``x`` and ``mask`` may stay on the host; each chunk is moved to ``device`` (default:
+    the model's) and the outputs are written back to ``x``'s device. With ``group``, ``x``
+    is this rank's token shard and the encodes are merged across the group as well (call
+    it on every rank). ``hidden_on`` places the hidden state ``[B, N, C]`` between blocks:
+    ``"device"``, ``"host"``, ``"memmap"`` (a file in a temporary directory under
+    ``memmap_dir``, default the system's, removed afterwards) or ``"auto"``: the device if it
+    is an accelerator and the state fits ``memory_budget`` bytes there, else host memory if
+    it fits ``memory_budget`` bytes, else a memory-mapped file; the default budget is half
+    the memory available at the call (free device memory / the host's ``MemAvailable``).
+    ``progress`` shows a progress bar over the passes (embed, each block's passes, head).
+
+    Raises ``ValueError`` for a model with a mixer that cannot stream or without a
+    ``streaming_plan()`` (see :class:`~flarepp.models.backbone.StreamingPlan`).
     """
     check_token_shardable(model, "stream_forward")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if device is None:
-        device = next(model.parameters()).device
+    if hidden_on not in HIDDEN_ON:
+        raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got {hidden_on!r}")
+    plan_of = getattr(model, "streaming_plan", None)
+    if plan_of is None:
+        raise ValueError(f"stream_forward: {type(model).__name__} declares no streaming_plan() "
+                         "(its forward as pointwise stages around residual blocks, "
+                         "flarepp.models.backbone.StreamingPlan), so it cannot be streamed "
+                         "block by block; run it unchunked or declare the plan")
+    plan = plan_of()
+    device = (next(model.parameters()).device if device is None else torch.device(device))
+    batch, n_tokens = x_BNI.shape[:2]
+    chunks = _chunks(n_tokens, chunk_size)
     backend = StreamingBackend()
     previous = install_backend(model, backend)
-    chunks = _chunks(x_BNI.shape[1], chunk_size)
+    bar = tqdm(total=None, unit="pass", desc="stream_forward", disable=not progress)
     try:
-        with torch.no_grad():
-            while True:
-                y_BNO, reached = None, 0
-                for sl in chunks:
-                    backend.start_chunk()
-                    x_c = x_BNI[:, sl].to(device)
-                    m_c = None if mask_BN is None else mask_BN[:, sl].to(device)
-                    try:
-                        y_c = model(x_c, m_c)
-                    except _EncodeReached:
-                        reached += 1
-                        continue
-                    if y_BNO is None:
-                        y_BNO = y_c.new_empty((y_c.shape[0], x_BNI.shape[1], *y_c.shape[2:]),
-                                              device=x_BNI.device)
-                    y_BNO[:, sl] = y_c
-                if reached == 0:
-                    return y_BNO
-                if reached != len(chunks):
-                    raise RuntimeError(f"streaming: encode {backend.target} was reached in "
-                                       f"{reached} of {len(chunks)} chunks; the model's "
-                                       "control flow depends on the chunk")
-                backend.finish_pass(group)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            hidden = None   # h [B, N, C], allocated once the residual stream's dtype is known
+            for sl in chunks:
+                h_c = plan.embed(_to(x_BNI, sl, device), _to(mask_BN, sl, device))
+                if hidden is None:
+                    shape = (batch, n_tokens, h_c.shape[-1])
+                    kind = _storage_kind(hidden_on, math.prod(shape) * h_c.element_size(),
+                                         device, memory_budget)
+                    hidden = _hidden_storage(kind, shape, h_c.dtype, device, memmap_dir, stack)
+                    bar.set_postfix_str(f"hidden state: {kind}")
+                hidden[:, sl] = h_c
+            bar.update()
+            carry = plan.initial_carry(batch)
+            for index, block in enumerate(plan.blocks):
+                carry = _stream_block(block, hidden, mask_BN, carry, chunks, backend, device,
+                                      group, bar)
+                if index == 0 and bar.total is None:  # every registered block has as many
+                    bar.total = 2 + len(plan.blocks) * (bar.n - 1)
+                    bar.refresh()
+            y_BNO = None
+            for sl in chunks:
+                y_c = plan.head(hidden[:, sl].to(device), _to(mask_BN, sl, device))
+                if y_BNO is None:
+                    y_BNO = y_c.new_empty((batch, n_tokens, *y_c.shape[2:]),
+                                          device=x_BNI.device)
+                y_BNO[:, sl] = y_c
+            bar.update()
+            return y_BNO
     finally:
+        bar.close()
         restore_backends(previous)
+
+
+def _stream_block(block, hidden: torch.Tensor, mask_BN: torch.Tensor | None, carry: Any,
+                  chunks: list[slice], backend: StreamingBackend, device: torch.device,
+                  group: dist.ProcessGroup | None, bar: tqdm) -> Any:
+    """One block's passes over the chunks; ``hidden`` is overwritten with the block's output.
+    Returns the block's output carry."""
+    backend.start_block()
+    while True:
+        reached, carry_out = 0, None
+        for sl in chunks:
+            backend.start_chunk()
+            try:
+                h_c, carry_c = block(hidden[:, sl].to(device), _to(mask_BN, sl, device), carry)
+            except _EncodeReached:
+                reached += 1
+                continue
+            if h_c.dtype != hidden.dtype:
+                raise RuntimeError(f"streaming: a block turned the hidden state from "
+                                   f"{hidden.dtype} into {h_c.dtype}; the stored state keeps "
+                                   "one dtype, so this model cannot be streamed exactly")
+            hidden[:, sl] = h_c
+            if carry_out is None:
+                carry_out = carry_c
+        bar.update()
+        if reached == 0:
+            return carry_out
+        if reached != len(chunks):
+            raise RuntimeError(f"streaming: encode {backend.target} of a block was reached in "
+                               f"{reached} of {len(chunks)} chunks; the block's control flow "
+                               "depends on the chunk")
+        backend.finish_pass(group)

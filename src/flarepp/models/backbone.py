@@ -13,8 +13,9 @@ as in the reference implementation; mixer projections keep their near-identity i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -108,6 +109,31 @@ def init_backbone_weights(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
 
 
+@dataclass(frozen=True)
+class StreamingPlan:
+    """A model's forward as token-pointwise stages around its residual blocks.
+
+    ``y = head(h_L)``, ``(h_{l+1}, p_{l+1}) = blocks[l](h_l, mask, p_l)``,
+    ``h_0 = embed(x, mask)``, ``p_0 = initial_carry(B)``: ``embed`` and ``head`` act on each
+    token alone; a block mixes tokens only through its mixers' ``backend.encode``; ``p`` is
+    state that is the same for every token (``None`` for the backbone, Luna's packed stream
+    ``[B, M, C]``) and that a block updates from its encodes alone. Under that contract
+    :func:`flarepp.distributed.stream_forward` runs the forward block by block over token
+    chunks, exactly.
+    """
+
+    embed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    blocks: Sequence[Callable[[torch.Tensor, torch.Tensor | None, Any],
+                              tuple[torch.Tensor, Any]]]
+    head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    initial_carry: Callable[[int], Any] = lambda batch: None
+
+
+def _carry_through(block: nn.Module, h: torch.Tensor, mask: torch.Tensor | None,
+                   carry: Any) -> tuple[torch.Tensor, Any]:
+    return block(h, mask), carry
+
+
 class SurrogateModel(nn.Module):
     """Residual surrogate ``[B, N, in_dim] -> [B, N, out_dim]`` around one mixer type."""
 
@@ -129,17 +155,31 @@ class SurrogateModel(nn.Module):
                             attn_scale=c.attn_scale, **c.mixer_options)
         return Block(mixer, c.dim, c.norm, c.ffn_ratio)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``in_proj`` of the inputs, padding zeroed first: ``[B, N, in] -> [B, N, C]``."""
         check_tokens(x, mask, self.config.in_dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        h = self.in_proj(x)
-        for block in self.blocks:
-            h = block(h, mask)
+        return self.in_proj(x)
+
+    def head(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``out_proj(norm(h))``, zero at padding: ``[B, N, C] -> [B, N, out]``."""
         y = self.out_proj(self.out_norm(h))
         if mask is not None:
             y = y.masked_fill(~mask[..., None], 0.0)
         return y
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(x, mask)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(h, mask)
+
+    def streaming_plan(self) -> StreamingPlan:
+        """This forward as a :class:`StreamingPlan` (a subclass that changes the forward
+        overrides this too)."""
+        return StreamingPlan(embed=self.embed, head=self.head,
+                             blocks=[functools.partial(_carry_through, b) for b in self.blocks])
 
 
 def compile_model(model: nn.Module, **compile_options: Any) -> nn.Module:

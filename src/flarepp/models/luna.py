@@ -15,14 +15,14 @@ has no FFN, as in Luna). With C=128, H=8, M=64, B=8 this is 1.57M parameters (Ta
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import SurrogateConfig, SurrogateModel
+from flarepp.models.backbone import StreamingPlan, SurrogateConfig, SurrogateModel
 
 
 @dataclass(kw_only=True)
@@ -51,20 +51,30 @@ class LunaSurrogate(SurrogateModel):
         self.packed_init = nn.Parameter(torch.randn(config.latents, config.dim)
                                         * config.dim ** -0.5)            # P_0 [M, C]
 
+    def initial_packed(self, batch: int) -> torch.Tensor:
+        """``P_0`` expanded over the batch: ``[B, M, C]``."""
+        return self.packed_init.unsqueeze(0).expand(batch, -1, -1)
+
+    @staticmethod
+    def luna_block(block: nn.Module, h: torch.Tensor, mask: torch.Tensor | None,
+                   packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on the tokens ``h [B, N, C]`` and the packed stream ``[B, M, C]``."""
+        luna = block.mixer
+        y, packed_context = luna.pack_unpack(block.mixer_norm(h), luna.packed_norm(packed),
+                                             mask)
+        h = h + y
+        h = h + block.ffn(block.ffn_norm(h))
+        return h, packed + packed_context
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.in_dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
-        h = self.in_proj(x)                                               # [B, N, C]
-        packed = self.packed_init.unsqueeze(0).expand(x.shape[0], -1, -1)  # [B, M, C]
+        h = self.embed(x, mask)                                            # [B, N, C]
+        packed = self.initial_packed(x.shape[0])                           # [B, M, C]
         for block in self.blocks:
-            luna = block.mixer
-            y, packed_context = luna.pack_unpack(block.mixer_norm(h),
-                                                 luna.packed_norm(packed), mask)
-            h = h + y
-            packed = packed + packed_context
-            h = h + block.ffn(block.ffn_norm(h))
-        y = self.out_proj(self.out_norm(h))
-        if mask is not None:
-            y = y.masked_fill(~mask[..., None], 0.0)
-        return y
+            h, packed = self.luna_block(block, h, mask, packed)
+        return self.head(h, mask)
+
+    def streaming_plan(self) -> StreamingPlan:
+        """The packed stream is the carry: replicated, updated by the encodes alone."""
+        return StreamingPlan(embed=self.embed, head=self.head,
+                             blocks=[functools.partial(self.luna_block, b) for b in self.blocks],
+                             initial_carry=self.initial_packed)
