@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.flarepp-installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,11 @@ demo: setup
 	$(PY) -m flarepp demo
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not cuda"
+
+# Everything that needs CUDA, on one GPU, in at most 8 minutes (scripts/gpu_check.sh).
+gpu-check: setup
+	PY=$(PY) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache
