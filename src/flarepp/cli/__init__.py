@@ -8,12 +8,64 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import threading
+from pathlib import Path
 
 
 class CLIError(Exception):
-    """A user-facing error: printed without a traceback, exit status 2."""
+    """A usage error: printed as a sentence without a traceback, exit status 2."""
+
+
+def _runtime_errors() -> tuple[type[BaseException], ...]:
+    """Failures of a valid command (bad data or checkpoint, a busy run directory, a
+    diverged loss, the file system, a failed rank): exit status 1."""
+    from flarepp.data import DataError
+    from flarepp.distributed import RankFailure
+    from flarepp.train.checkpoint import CheckpointError
+    from flarepp.train.rundir import DataMismatch, RunLocked
+    return (DataError, CheckpointError, RunLocked, DataMismatch, FloatingPointError, OSError,
+            RankFailure)
+
+
+class Terminated(BaseException):
+    """SIGTERM outside a training loop (which handles it itself, see flarepp.train.loop)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
+def _sentence(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
+def check_output(path: str | Path, *, directory: bool, option: str = "--out") -> Path:
+    """Raise :class:`CLIError` before any work if ``path`` cannot be written.
+
+    ``directory``: ``path`` is a directory to create or reuse (a run directory); otherwise a
+    file whose folder must exist or be creatable.
+    """
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise CLIError(f"{option} {str(path)!r} is a file, not a directory")
+    if not directory and path.is_dir():
+        raise CLIError(f"{option} {str(path)!r} is a directory; give a file name")
+    folder = path if directory else path.parent
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CLIError(f"{option} {str(path)!r}: {str(existing)!r} is a file, so the folder "
+                       "cannot be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CLIError(f"{option} {str(path)!r}: no permission to write in {str(existing)!r}")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,15 +85,29 @@ COMPUTE_COMMANDS = frozenset({"train", "eval", "infer", "bench", "demo", "compar
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from flarepp.train.loop import TrainingInterrupted
+    runtime = _runtime_errors()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         if args.command in COMPUTE_COMMANDS:
             from flarepp.allocator import apply_policy
             args.allocator = apply_policy()
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, KeyError, FloatingPointError) as err:
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"flarepp {args.command}: error: {msg}", file=sys.stderr)
+    except TrainingInterrupted as err:
+        print(f"flarepp {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except (KeyboardInterrupt, Terminated) as err:
+        code = 130 if isinstance(err, KeyboardInterrupt) else 143
+        print(f"flarepp {args.command}: {'interrupted' if code == 130 else 'terminated'} "
+              "(no output is half-written: files are replaced atomically)", file=sys.stderr)
+        return code
+    except runtime as err:
+        print(f"flarepp {args.command}: error: {_sentence(err)}", file=sys.stderr)
+        return 1
+    except (CLIError, ValueError) as err:  # bad arguments, names or config values
+        print(f"flarepp {args.command}: error: {_sentence(err)}", file=sys.stderr)
         return 2
 
 
-__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "main"]
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "check_output", "main"]

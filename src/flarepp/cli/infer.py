@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, check_output
 from flarepp.device import DEVICE_HELP
 
 def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
@@ -64,6 +64,7 @@ def _infer(args: argparse.Namespace) -> int:
     from flarepp.train import load_trained_model
     if args.chunk_size is not None and args.chunk_size <= 0:
         raise CLIError(f"--chunk-size must be positive, got {args.chunk_size}")
+    check_output(args.out, directory=False)
     tm = load_trained_model(args.checkpoint)
     x, y, mask = _inputs(args, tm)
     if x.shape[-1] != tm.model.config.in_dim:

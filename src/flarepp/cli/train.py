@@ -6,14 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, check_output
 from flarepp.device import DEVICE_HELP
 
 
 def _train(args: argparse.Namespace) -> int:
     from flarepp.device import resolve_device
     from flarepp.distributed.mesh import launch
-    from flarepp.train import Trainer, get_preset
+    from flarepp.train import Trainer
     overrides = list(args.set or [])
     for key in ("precision", "device"):
         if getattr(args, key):
@@ -22,12 +22,12 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("compile=True")
     if args.workers is not None:
         overrides.append(f"loader_workers={args.workers}")
-    config = get_preset(args.preset, overrides)
+    config = _run_config(args, overrides)
     data = Path(args.data or config.data_root)
     if not data.exists():
         raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or make "
                        f"data with `flarepp data make {config.dataset} --out {data}`)")
-    out = Path(args.out or f"runs/{config.name}")
+    out = check_output(args.out or f"runs/{config.name}", directory=True)
     device = resolve_device(config.device)
     with launch(device, data_parallel=args.data_parallel,
                 context_parallel=args.context_parallel) as plan:
@@ -49,9 +49,33 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace, overrides: list[str]):
+    """The run's config, checked before any data is read: a preset, a run's own
+    ``config.json`` (``--config``), or the ``npz`` preset for ``--data`` alone."""
+    from flarepp.train import RunConfig, apply_overrides, get_preset
+    if args.config and args.preset:
+        raise CLIError("give a preset or --config, not both")
+    if args.config:
+        path = Path(args.config)
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--config {str(path)!r}: cannot read a run config ({err})") from None
+        if not isinstance(stored, dict):
+            raise CLIError(f"--config {str(path)!r}: expected a JSON object (a run's "
+                           "config.json)")
+        return apply_overrides(RunConfig.from_dict(stored), overrides)
+    if args.preset is None and not args.data:
+        raise CLIError("give a preset (see `flarepp presets`), --config RUN/config.json, or "
+                       "--data YOUR.npz")
+    return get_preset(args.preset or "npz", overrides)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from flarepp.io import atomic_write_json
     from flarepp.train import evaluate_checkpoint
+    if args.json:
+        check_output(args.json, directory=False, option="--json")
     metrics = evaluate_checkpoint(args.checkpoint, data_root=args.data, device=args.device,
                                   chunk_size=args.chunk_size)
     if args.json:
@@ -77,7 +101,11 @@ def _context_parallel(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     from flarepp.train import PRESETS
     p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
-    p.add_argument("preset", help=f"one of: {', '.join(PRESETS.names())}")
+    p.add_argument("preset", nargs="?",
+                   help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
+                        "npz, your own data)")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help="train the config a run wrote (RUN/config.json) instead of a preset")
     p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
     p.add_argument("--out", help="run directory (default: runs/PRESET)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",

@@ -113,6 +113,15 @@ class Task(abc.ABC):
         """Facts about the data stored in checkpoints (field names, units...)."""
         return {}
 
+    def data_identity(self) -> dict[str, Any]:
+        """Where the training data is and a fingerprint of its content
+        (:func:`flarepp.train.rundir.data_fingerprint`): ``--resume`` refuses other data
+        and ``flarepp eval`` finds the run's data with it; ``{}`` if not applicable."""
+        return {}
+
+    def check_model(self, model_config: dict[str, Any]) -> None:
+        """Raise a sentence if a model of ``model_config`` cannot take this task's data."""
+
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
                       ) -> list[Path]:
         """Files written from the final evaluation of ``split`` (e.g. predictions)."""

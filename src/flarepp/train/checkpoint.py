@@ -37,8 +37,9 @@ from flarepp.train.config import RunConfig
 FORMAT_VERSION = 1
 REQUIRED = ("format_version", "config", "model_config", "model", "ema", "epoch",
             "normalizers")
-CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
-"""File names of the checkpoints in ``<run>/checkpoints``, by epoch."""
+CHECKPOINT_NAME = re.compile(r"epoch_(\d+)(?:_step_(\d+))?\.pt")
+"""File names of the checkpoints in ``<run>/checkpoints``: ``epoch_<n>.pt`` after ``n``
+epochs, ``epoch_<n>_step_<k>.pt`` ``k`` steps into epoch ``n + 1`` (an interrupted run)."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
           torch.dtype, torch.device)
@@ -127,11 +128,11 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 # a run directory's checkpoints
 
 def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
-    """``<out_dir>/checkpoints/epoch_<n>.pt`` by decreasing epoch ``n``."""
+    """``<out_dir>/checkpoints``' checkpoints, the most advanced (epochs, steps) first."""
     folder = Path(out_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
+    found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in folder.iterdir()
              if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_file()]
     return [p for _, p in sorted(found, reverse=True)]
 

@@ -1,8 +1,9 @@
 """Evaluating a checkpoint on any device: the task's metric of its EMA model on each split.
 
 The model is rebuilt from the checkpoint alone, the task from the checkpoint's run config
-(reading the data from ``data_root``), and the task's normalisers are the checkpoint's (a
-model is always evaluated with the statistics it was trained with).
+(reading the data from ``data_root``, by default the data the run trained on), and the
+task's normalisers are the checkpoint's (a model is always evaluated with the statistics it
+was trained with).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from flarepp.train.config import RunConfig
 from flarepp.train.engine import Engine
 
 
+def run_data(state: dict[str, Any], config: RunConfig) -> str:
+    """The data a checkpoint's run trained on: the recorded path if it still exists, else
+    the config's ``data_root``."""
+    recorded = state.get("data", {}).get("identity", {}).get("path")
+    return recorded if recorded and Path(recorded).exists() else config.data_root
+
+
 def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None,
                         device: str | torch.device | None = "auto", ema: bool = True
                         ) -> tuple[torch.nn.Module, Task, RunConfig, dict[str, Any]]:
@@ -34,7 +42,8 @@ def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None
     except RuntimeError as err:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its model "
                               f"config ({err})") from None
-    task = build_task(config, data_root if data_root is not None else config.data_root)
+    task = build_task(config, data_root if data_root is not None else run_data(state, config))
+    task.check_model(state["model_config"])
     task.load_state_dict(state["normalizers"])
     return model.to(resolve_device(device)).eval(), task, config, state
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,19 +43,40 @@ from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
 from flarepp.train.batching import (epoch_keys, global_batches, make_loader,
                                     steps_per_epoch, to_device_prefetched)
-from flarepp.train.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
+from flarepp.train.checkpoint import (CheckpointError, checkpoints_newest_first,
+                                      newest_readable_checkpoint, remove_stale_temporaries,
+                                      save_checkpoint)
 from flarepp.train.config import RunConfig
 from flarepp.train.engine import Engine
-from flarepp.train.optim import build_optimizer, build_scheduler
+from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
+from flarepp.train.rundir import RunLock, check_same_data
 
 
-def checkpoint_path(out_dir: Path, epoch: int) -> Path:
-    return out_dir / "checkpoints" / f"epoch_{epoch:04d}.pt"
+def checkpoint_path(out_dir: Path, epoch: int, step: int | None = None) -> Path:
+    """``epoch_0003.pt`` after 3 epochs; ``epoch_0003_step_000012.pt`` 12 steps into the 4th."""
+    name = f"epoch_{epoch:04d}" + ("" if step is None else f"_step_{step:06d}")
+    return Path(out_dir) / "checkpoints" / f"{name}.pt"
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = sorted((Path(out_dir) / "checkpoints").glob("epoch_*.pt"))
-    return found[-1] if found else None
+    found = checkpoints_newest_first(out_dir)
+    return found[0] if found else None
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM stopped training after a step; a checkpoint to resume from exists.
+
+    ``exit_code`` is the shell's convention for the signal (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, checkpoint: Path | None, out_dir: Path) -> None:
+        self.signum, self.checkpoint, self.out_dir = signum, checkpoint, out_dir
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        where = (f"; its state is in {str(checkpoint)!r}" if checkpoint is not None
+                 else "")
+        super().__init__(f"training stopped by {name}{where}; continue with the same "
+                         f"command and --resume --out {out_dir}")
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -85,12 +108,30 @@ class Trainer:
         self.is_writer = parallel.is_writer
         self.progress = progress and self.is_writer
         self.device = resolve_device(device if device is not None else c.device)
-        last = latest_checkpoint(self.out_dir) if resume else None
-        if resume and last is None:
-            raise CheckpointError(f"--resume: no checkpoint in "
-                                  f"{str(self.out_dir / 'checkpoints')!r}")
-        if not resume and (self.out_dir / "checkpoints").exists() and any(
-                (self.out_dir / "checkpoints").iterdir()):
+        # The writer holds the run directory for the run's life: a second process on the
+        # same --out fails here, before any work, naming the holder.
+        self.lock = RunLock(self.out_dir).acquire() if self.is_writer else None
+        try:
+            self._setup(resume, data_root, splits, task)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: bool, data_root, splits, task) -> None:
+        c, parallel = self.config, self.plan
+        if self.is_writer:
+            removed = remove_stale_temporaries(self.out_dir)
+            if removed and self.progress:
+                print(f"removed {len(removed)} temporary file(s) a killed write left in "
+                      f"{str(self.out_dir)!r}", flush=True)
+        found = newest_readable_checkpoint(self.out_dir) if resume else None
+        if found is not None and found.path is None:
+            reason = found.message() or f"there is no checkpoint in " \
+                f"{str(self.out_dir / 'checkpoints')!r}"
+            raise CheckpointError(f"--resume: {reason}")
+        if found is not None and found.unreadable and self.progress:
+            print(f"--resume: {found.message()}", flush=True)
+        if not resume and checkpoints_newest_first(self.out_dir):
             raise ValueError(f"output directory {str(self.out_dir)!r} already holds a run; "
                              "pass --resume to continue it or choose another --out")
         if task is None:
@@ -124,8 +165,17 @@ class Trainer:
         self.shuffle = torch.Generator().manual_seed(c.seed)
         self.epoch = 0
         self.history: list[dict[str, Any]] = []
-        if last is not None:
-            self._restore(last)
+        self.step_losses: list[float] = []
+        self._resume_progress: dict[str, Any] | None = None
+        self._stop_signal: int | None = None
+        if found is not None:
+            self._restore(found.path, found.state)
+
+    def close(self) -> None:
+        """Release the run directory (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # -- state ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -139,11 +189,10 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "epoch": self.epoch, "history": self.history, "rng": rng,
             "task": self.config.task, "normalizers": self.task.state_dict(),
-            "data": self.task.describe_data(),
+            "data": {**self.task.describe_data(), "identity": self.task.data_identity()},
         }
 
-    def _restore(self, path: Path) -> None:
-        state = read_checkpoint(path)
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
         stored = RunConfig.from_dict(state["config"]).identity()
         mine = self.config.identity()
         if stored != mine:
@@ -152,6 +201,10 @@ class Trainer:
             raise CheckpointError(f"checkpoint {str(path)!r} was written by a run with a "
                                   f"different config (differs in {changed}); resume with "
                                   "the same preset and --set options")
+        identity = state.get("data", {}).get("identity")
+        if identity:
+            check_same_data(identity, self.task.data_identity())
+        self.task.load_state_dict(state["normalizers"])
         self.model.load_state_dict(state["model"])
         self.ema.load_state_dict(state["ema_state"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -163,6 +216,7 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
+        self._resume_progress = state.get("epoch_progress")
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -219,23 +273,84 @@ class Trainer:
         return shown
 
     def train_epoch(self) -> float:
+        """One pass over the training split (the rest of it after a mid-epoch resume).
+
+        Raises :class:`TrainingInterrupted` after the current step when SIGINT or SIGTERM
+        arrived, having written a checkpoint from which the epoch resumes exactly.
+        """
         c, plan = self.config, self.plan
         self.train_model.train()
+        progress, self._resume_progress = self._resume_progress, None
+        if progress is not None:  # the same order as the interrupted epoch's
+            self.shuffle.set_state(progress["shuffle"])
+        epoch_start_shuffle = self.shuffle.get_state()
         order = torch.randperm(self.n_train, generator=self.shuffle).numpy()
         keys = epoch_keys(order, c.batch_size, plan.dp_rank, plan.dp_size,
                           epoch_seed(c.seed, self.epoch))
         sizes = [len(b) for b in global_batches(order, c.batch_size)]
-        loader = make_loader(self.task, "train", keys, training=True,
+        done = 0 if progress is None else int(progress["step"])
+        self.step_losses = [] if progress is None else list(progress["losses"])
+        self._epoch_seconds = 0.0 if progress is None else float(progress["seconds"])
+        started = time.perf_counter()
+        loader = make_loader(self.task, "train", keys[done:], training=True,
                              workers=self.engine.workers,
                              pin_memory=self.device.type == "cuda")
         bar = tqdm(to_device_prefetched(loader, self.device), total=len(keys),
-                   desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
+                   initial=done, desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
                    disable=not (self.progress and show_progress_bars(True)))
-        self.step_losses: list[float] = []
-        for (micro, weight), n_global in zip(bar, sizes):
+        for micro, weight in bar:
             self.step_losses.append(self.train_step(micro, weight))
             bar.set_postfix(loss=f"{self.step_losses[-1]:.3e}")
+            if self._stop_requested() and len(self.step_losses) < len(keys):
+                bar.close()
+                seconds = self._epoch_seconds + time.perf_counter() - started
+                self._interrupt({"step": len(self.step_losses), "shuffle": epoch_start_shuffle,
+                                 "losses": self.step_losses, "seconds": seconds})
+        self._epoch_seconds += time.perf_counter() - started
         return sum(loss * n for loss, n in zip(self.step_losses, sizes)) / max(sum(sizes), 1)
+
+    # -- signals -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stop_on_signals(self):
+        """While active, SIGINT / SIGTERM ask training to stop after the current step (a
+        second signal acts at once, as it would without this)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {}
+
+        def request_stop(signum, frame):
+            self._stop_signal = signum
+            signal.signal(signum, previous[signum])
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, request_stop)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was signalled (every rank stops after the same step)."""
+        flag = 0 if self._stop_signal is None else self._stop_signal
+        if self.plan.mesh is not None:
+            t = torch.tensor([flag], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+            self._stop_signal = flag or None
+        return flag != 0
+
+    def _interrupt(self, progress: dict[str, Any] | None) -> None:
+        """Write the state to resume from (mid-epoch when ``progress``) and stop."""
+        path = checkpoint_path(self.out_dir, self.epoch,
+                               None if progress is None else progress["step"])
+        if self.is_writer:
+            state = self.state()
+            if progress is not None:
+                state["epoch_progress"] = progress
+            save_checkpoint(path, state)
+        raise TrainingInterrupted(self._stop_signal or signal.SIGINT, path, self.out_dir)
 
     def evaluate(self, split: str) -> dict[str, Any]:
         metrics, records = self.engine.evaluate(self.ema.module, split,
@@ -247,20 +362,26 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> dict[str, Any] | None:
         """Train to ``config.epochs``; ``stop_after`` ends early after that many epochs of
         this call (the run can be resumed). Returns the final metrics, or None if stopped."""
+        try:
+            with self.stop_on_signals():
+                return self._fit(stop_after)
+        finally:
+            self.close()
+
+    def _fit(self, stop_after: int | None) -> dict[str, Any] | None:
         c = self.config
         headline = self.task.headline
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.out_dir / "config.json", c.to_dict())
+            write_param_groups(self.out_dir, self.model, self.optimizer)
             self._rewrite_log()
         done_now = 0
         while self.epoch < c.epochs:
-            start = time.perf_counter()
             loss = self.train_epoch()
             self.epoch += 1
             record = {"epoch": self.epoch, "train_loss": loss,
-                      "lr": self.scheduler.get_last_lr()[0],
-                      "seconds": time.perf_counter() - start}
+                      "lr": self.scheduler.get_last_lr()[0], "seconds": self._epoch_seconds}
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
                 split = self.task.eval_splits[0]
                 record[f"{split}_{headline}"] = self.evaluate(split)[headline]
@@ -273,11 +394,14 @@ class Trainer:
                          if k.endswith(headline)]
                 print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{''.join(shown)}",
                       flush=True)
-            if self.is_writer and (self.epoch % c.checkpoint_every == 0
-                                   or self.epoch == c.epochs):
-                save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
             done_now += 1
-            if stop_after is not None and done_now >= stop_after and self.epoch < c.epochs:
+            stopping = stop_after is not None and done_now >= stop_after
+            if self.is_writer and (self.epoch % c.checkpoint_every == 0
+                                   or self.epoch == c.epochs or stopping):
+                save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
+            if self.epoch < c.epochs and self._stop_requested():
+                self._interrupt(None)  # between epochs: the checkpoint is the epoch's
+            if stopping and self.epoch < c.epochs:
                 return None
         return self.finish()
 
