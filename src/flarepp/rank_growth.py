@@ -34,7 +34,7 @@ and its accuracy grows with M, so train with few latents first and add more on a
   cancels (the function is symmetric in the copies, so all copies have the same gradient),
   leaving an ``O(delta^2)`` change, which the tests measure. The default is 0: exact.
 * Train and EMA copies of a model must grow alike: same ``new_m`` and, when perturbing,
-  generators in the same state.
+  CPU generators in the same state (the noise is drawn on the CPU, then moved).
 """
 
 from __future__ import annotations

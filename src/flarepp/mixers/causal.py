@@ -601,7 +601,9 @@ class CausalFLAREPP(_CausalMixer):
 class KVCache:
     """Keys and values of the tokens seen so far, ``[B, H, capacity, D]``, of which the
     first ``length`` slots are filled; ``valid [B, capacity]`` marks real tokens (a padded
-    prompt leaves holes). Grows by doubling when full; ``2 B H length D`` numbers in use."""
+    prompt leaves holes). Grows by doubling when full; ``2 B H length D`` numbers in use.
+    ``step`` writes the new token into the cache it is given and returns it (or, when the
+    cache was full, a copy of twice the capacity)."""
 
     keys: torch.Tensor
     values: torch.Tensor
