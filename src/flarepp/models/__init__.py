@@ -18,6 +18,7 @@ from flarepp.models.lno import LNO
 from flarepp.models.luna import LunaSurrogate
 from flarepp.models.perceiver_io import PerceiverIO
 from flarepp.models.set_transformer import SetTransformer
+from flarepp.models.sequence import SequenceClassifier
 from flarepp.registry import Registry
 
 MODELS: Registry = Registry("model")
@@ -32,6 +33,9 @@ MODELS.add("perceiver-io", PerceiverIO,
            doc="PerceiverIO: 512 latents, 8 latent self-attention blocks, MLP ratio 4")
 MODELS.add("gnot", GNOT, doc="GNOT: normalized linear attention, geometry-gated 3 experts")
 MODELS.add("lno", LNO, doc="Latent Neural Operator: 256 latent modes, 4 latent blocks")
+# Long Range Arena (paper Sec. 4.3, D.5): token ids in, class logits out.
+MODELS.add("sequence-classifier", SequenceClassifier,
+           doc="LRA classifier: embeddings, blocks around a mixer, pooling, MLP head")
 
 
 from flarepp.models import causal_lm as _causal_lm  # noqa: E402,F401  (registers)
