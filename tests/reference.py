@@ -179,7 +179,8 @@ def assert_backend_parity(module, x, mask=None):
     import copy
 
     from flarepp.ops import set_backend
-    explicit = set_backend(copy.deepcopy(module), ExplicitBackend())
+    explicit = copy.deepcopy(module)
+    set_backend(explicit, ExplicitBackend())
     outs, grads = [], []
     for m in (module, explicit):
         xi = x.clone().requires_grad_(True)

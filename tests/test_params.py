@@ -3,15 +3,7 @@
 import pytest
 
 import flarepp
-
-# dataset: (in_dim, blocks, latents); out_dim = 1 everywhere (Table 8, FACTS.md 1).
-SETTINGS = {"elasticity": (2, 8, 64), "darcy": (3, 8, 128), "airfoil": (2, 8, 64),
-            "pipe": (2, 2, 64), "drivaerml-40k": (3, 4, 64)}
-TABLE10 = {
-    "attention": [1.16, 1.16, 1.16, 0.36, 0.63],
-    "flare": [1.09, 1.16, 1.09, 0.35, 0.60],
-    "flarepp": [1.29, 1.42, 1.29, 0.40, 0.70],
-}
+from flarepp.paper import DATASETS, INPUT_CHANNELS, TABLE7, TABLE8, TABLE10
 
 
 def count(module, skip_bias_and_norms=False):
@@ -23,15 +15,18 @@ def count(module, skip_bias_and_norms=False):
     return total
 
 
-@pytest.mark.parametrize("mixer", sorted(TABLE10))
+@pytest.mark.parametrize("mixer", ["attention", "flare", "flarepp"])
 def test_table10_total_parameters(mixer):
-    """Millions, two decimals, biases and norms included, C=128, H=8 (Tables 7, 8, 10)."""
+    """Millions, two decimals, biases and norms included, C=128, H=8 (Tables 7, 8, 10),
+    built straight from ``flarepp.build_model``; out_dim = 1 on every dataset."""
     got = []
-    for in_dim, blocks, latents in SETTINGS.values():
-        model = flarepp.build_model(mixer=mixer, in_dim=in_dim, out_dim=1, dim=128, heads=8,
-                                    blocks=blocks, latents=latents)
+    for dataset in DATASETS:
+        row = TABLE8[dataset]
+        model = flarepp.build_model(mixer=mixer, in_dim=INPUT_CHANNELS[dataset], out_dim=1,
+                                    dim=TABLE7["dim"], heads=TABLE7["heads"],
+                                    blocks=row.blocks, latents=row.latents)
         got.append(round(count(model) / 1e6, 2))
-    assert got == TABLE10[mixer]
+    assert got == [TABLE10[mixer][d] for d in DATASETS]
 
 
 FORMULAS = {

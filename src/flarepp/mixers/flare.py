@@ -20,6 +20,7 @@ rank at most M per head; it is never formed: three (FLARE: two) fused SDPA calls
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -31,29 +32,59 @@ from flarepp.mixers.registry import MIXERS
 from flarepp.ops import HeadNorm
 
 
-@MIXERS.register("flare", doc="FLARE: fixed learned routing queries (Table 2, column FLARE)")
-class FLARE(Mixer):
-    """Fixed-query low-rank attention: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``."""
+class LowRankRouting(Mixer, abc.ABC):
+    """What the FLARE family shares: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``, ``Y W_O``.
 
-    def __init__(self, config: MixerConfig) -> None:
-        super().__init__(config)
-        c = config
-        # Q_f [H, M, D] ~ N(0, 0.1^2) as in the FLARE study (FACTS.md 3); FLARE++ keeps its
-        # reference implementation's N(0, 0.02^2) for Q_f and the seeds.
-        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim), std=0.1)
-        self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
-        self.out_proj = near_identity_linear(c.dim)                          # W_O
+    A subclass owns ``key_value_proj`` (its stacked input projections, one GEMM) and
+    ``out_proj`` (``W_O``), and says in :meth:`route` how the stacked projections become
+    the routing queries ``Q [B, H, M, D]``, routing keys ``K`` and values ``V [B, H, N, D]``;
+    the encode (``Z = softmax_N(s Q K^T) V``) and decode (``Y = softmax_M(s K Q^T) Z``), the
+    masking and the output projection are the same for every member.
+    """
+
+    key_value_proj: nn.Linear
+    out_proj: nn.Linear
+
+    @abc.abstractmethod
+    def route(self, projected_BNkC: torch.Tensor, mask: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(Q [B, H, M, D], K [B, H, N, D], V [B, H, N, D])`` from ``key_value_proj(x)``."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        keys, values = self.split_projections(self.key_value_proj(x), 2)
-        queries = self.latents_for(self.fixed_queries, x.shape[0])
-        s = self.config.attn_scale
-        latents = self.backend.encode(queries, keys, values, mask, scale=s)     # Z [B,H,M,D]
-        y = self.backend.decode(keys, queries, latents, mask, scale=s)          # [B,H,N,D]
+        queries, keys, values = self.route(self.key_value_proj(x), mask)
+        latents = self.backend.encode(queries, keys, values, mask,
+                                      scale=self.config.attn_scale)             # Z [B,H,M,D]
+        y = self.decode_tokens(keys, queries, latents, mask)                    # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
+
+    def decode_tokens(self, keys: torch.Tensor, queries: torch.Tensor, latents: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """``Y = softmax_M(s K Q^T) Z`` through the backend (a variant may change the
+        decode logits here, e.g. a per-latent offset)."""
+        return self.backend.decode(keys, queries, latents, mask, scale=self.config.attn_scale)
+
+
+@MIXERS.register("flare", doc="FLARE: fixed learned routing queries (Table 2, column FLARE)")
+class FLARE(LowRankRouting):
+    """Fixed-query low-rank attention: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``."""
+
+    token_shardable = True  # one encode per block (B.4)
+
+    def __init__(self, config: MixerConfig) -> None:
+        super().__init__(config)
+        c = config
+        # Q_f [H, M, D] ~ N(0, 0.1^2) as in the FLARE study's public code (vpuri3/FLARE.py);
+        # FLARE++ keeps its reference implementation's N(0, 0.02^2) for Q_f and the seeds.
+        self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim), std=0.1)
+        self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
+        self.out_proj = near_identity_linear(c.dim)                          # W_O
+
+    def route(self, projected_BNkC, mask):
+        keys, values = self.split_projections(projected_BNkC, 2)
+        return self.latents_for(self.fixed_queries, keys.shape[0]), keys, values
 
 
 @dataclass(kw_only=True)
@@ -64,7 +95,7 @@ class FLAREPPConfig(MixerConfig):
 
 
 @MIXERS.register("flarepp", doc="FLARE++: attention-synthesized routing queries (Table 2)")
-class FLAREPP(FLARE):
+class FLAREPP(LowRankRouting):
     """FLARE++ (paper v2): routing queries synthesized from the input by one extra encode.
 
     ``Q_h(X) = N_0(Q_f,h) + sigmoid(gamma_h) SDPA(N_a(Q~_h), K~_h, K~_h)`` with
@@ -73,9 +104,10 @@ class FLAREPP(FLARE):
     """
 
     config_cls = FLAREPPConfig
+    token_shardable = True  # two encodes per block: synthesis, then gather
 
     def __init__(self, config: FLAREPPConfig) -> None:
-        Mixer.__init__(self, config)
+        super().__init__(config)
         c = config
         self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))  # Q~ [H, M, D]
         self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim))    # Q_f [H, M, D]
@@ -102,21 +134,14 @@ class FLAREPP(FLARE):
         queries = fixed.to(acc).unsqueeze(0) + gate * synthesized.to(acc)
         return queries.to(synthesized.dtype)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
-        synthesis_keys, keys, values = self.split_projections_BNHD(self.key_value_proj(x), 3)
+    def route(self, projected_BNkC, mask):
+        synthesis_keys, keys, values = self.split_projections_BNHD(projected_BNkC, 3)
         # The per-head norms act on D alone, so they run in the GEMM's [B, N, H, D] layout
         # (rows of D contiguous numbers) before the heads-first views the kernels take.
         synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis_keys))
         keys = self.heads_first(self.routing_key_norm(keys))
-        values = self.heads_first(values)
-        queries = self.routing_queries(synthesis_keys, mask, x.shape[0])
-        s = self.config.attn_scale
-        latents = self.backend.encode(queries, keys, values, mask, scale=s)
-        y = self.backend.decode(keys, queries, latents, mask, scale=s)
-        return zero_masked(self.out_proj(self.merge_heads(y)), mask)
+        queries = self.routing_queries(synthesis_keys, mask, keys.shape[0])
+        return queries, keys, self.heads_first(values)
 
 
 @dataclass(kw_only=True)
@@ -126,7 +151,7 @@ class SynthesizedQueryConfig(MixerConfig):
     normalize_synthesis: bool = True
 
 
-class SynthesizedQueryFLARE(FLARE):
+class SynthesizedQueryFLARE(LowRankRouting):
     """Routing queries are the synthesized ones alone, with separate synthesis K and V.
 
     ``Q_h(X) = SDPA(N(Q~_h), N(X W~_K,h), X W~_V,h)``, where N is N_a for simplified
@@ -134,9 +159,10 @@ class SynthesizedQueryFLARE(FLARE):
     """
 
     config_cls = SynthesizedQueryConfig
+    token_shardable = True  # two encodes per block
 
     def __init__(self, config: SynthesizedQueryConfig) -> None:
-        Mixer.__init__(self, config)
+        super().__init__(config)
         c = config
         self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))
         # [W~_K | W~_V | W_K | W_V] in one GEMM.
@@ -149,19 +175,13 @@ class SynthesizedQueryFLARE(FLARE):
             self.seed_norm = nn.Identity()
             self.synthesis_key_norm = nn.Identity()
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
+    def route(self, projected_BNkC, mask):
         synthesis_keys, synthesis_values, keys, values = self.split_projections(
-            self.key_value_proj(x), 4)
-        s = self.config.attn_scale
-        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, x.shape[0]))
+            projected_BNkC, 4)
+        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, keys.shape[0]))
         queries = self.backend.encode(seeds, self.synthesis_key_norm(synthesis_keys),
-                                      synthesis_values, mask, scale=s)
-        latents = self.backend.encode(queries, keys, values, mask, scale=s)
-        y = self.backend.decode(keys, queries, latents, mask, scale=s)
-        return zero_masked(self.out_proj(self.merge_heads(y)), mask)
+                                      synthesis_values, mask, scale=self.config.attn_scale)
+        return queries, keys, values
 
 
 MIXERS.add("flarepp-simple", SynthesizedQueryFLARE, defaults={"normalize_synthesis": True},

@@ -48,6 +48,7 @@ class LunaAttention(Mixer):
     """Luna's nested attention; :meth:`pack_unpack` is the two-stream layer."""
 
     config_cls = LunaConfig
+    token_shardable = True  # pack = one encode per block; unpack = a local decode (B.4)
 
     def __init__(self, config: LunaConfig) -> None:
         super().__init__(config)

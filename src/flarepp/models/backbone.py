@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -72,27 +72,63 @@ class Block(nn.Module):
 
 
 @dataclass(kw_only=True)
-class SurrogateConfig:
-    """Backbone settings; defaults are the paper's (Tables 7-8, Elasticity)."""
+class ModelConfig:
+    """Settings every architecture shares (Table 7: C=128, H=8; Table 8: B blocks).
+
+    A subclass names its architecture in ``arch`` (the :data:`~flarepp.models.MODELS` key
+    that ``to_dict`` writes and ``model_from_config`` reads back) and may extend
+    ``positive``, the fields that must be positive numbers. ``dim`` must divide into
+    ``heads`` heads of width D = C / H.
+    """
+
+    arch: ClassVar[str] = ""
+    positive: ClassVar[tuple[str, ...]] = ("in_dim", "out_dim", "dim", "heads", "blocks")
 
     in_dim: int
     out_dim: int
-    mixer: str = "flarepp"
     dim: int = 128
     heads: int = 8
     blocks: int = 8
-    latents: int = 64
     norm: str = "layernorm"
-    ffn_ratio: float = 2.0
-    io_layers: int = 2
-    attn_scale: float | None = None
-    mixer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"))
+        require_positive(self, self.positive, self.arch)
+        if self.dim % self.heads:
+            raise ValueError(f"{self.arch}: dim={self.dim} must be divisible by "
+                             f"heads={self.heads}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"arch": "surrogate", **asdict(self)}
+        return {"arch": self.arch, **asdict(self)}
+
+
+@dataclass(kw_only=True)
+class LatentModelConfig(ModelConfig):
+    """An architecture with a budget of M latents (queries, inducing points, modes) and
+    SDPA calls of scale ``attn_scale`` (``None``: ``1/sqrt(D)``)."""
+
+    positive = ModelConfig.positive + ("latents",)
+
+    latents: int = 64
+    attn_scale: float | None = None
+
+
+@dataclass(kw_only=True)
+class BackboneConfig(LatentModelConfig):
+    """The residual backbone's block and input/output MLP settings (Table 7): FFN ratio
+    ``ffn_ratio`` and ``io_layers`` hidden residual layers per input/output MLP."""
+
+    ffn_ratio: float = 2.0
+    io_layers: int = 2
+
+
+@dataclass(kw_only=True)
+class SurrogateConfig(BackboneConfig):
+    """Backbone settings; defaults are the paper's (Tables 7-8, Elasticity)."""
+
+    arch = "surrogate"
+
+    mixer: str = "flarepp"
+    mixer_options: dict[str, Any] = field(default_factory=dict)
 
 
 def init_backbone_weights(module: nn.Module) -> None:
@@ -138,6 +174,7 @@ class SurrogateModel(nn.Module):
     """Residual surrogate ``[B, N, in_dim] -> [B, N, out_dim]`` around one mixer type."""
 
     config_cls = SurrogateConfig
+    token_shardable = True  # pointwise io MLPs, norms and FFNs around the mixers (B.4)
 
     def __init__(self, config: SurrogateConfig) -> None:
         super().__init__()

@@ -25,39 +25,32 @@ study reports 4.88M). Padding points are excluded from every key sum and get zer
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.models.backbone import ModelConfig, ResidualMLP, init_backbone_weights
+from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import make_norm
 
 
 @dataclass(kw_only=True)
-class GNOTConfig:
+class GNOTConfig(ModelConfig):
     """``experts``: E; ``space_dim``: how many leading input channels are coordinates
     (``None``: all ``in_dim``); ``mlp_ratio`` r of the experts and the gate network;
     ``norm`` the type of the five norms per block (LayerNorm in FP32, C.2)."""
 
-    in_dim: int
-    out_dim: int
-    dim: int = 128
-    heads: int = 8
-    blocks: int = 8
+    arch = "gnot"
+    positive = ModelConfig.positive + ("experts",)
+
     experts: int = 3
     mlp_ratio: float = 2.0
     space_dim: int | None = None
-    norm: str = "layernorm"
 
     def __post_init__(self) -> None:
-        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "experts"),
-                         "gnot")
-        if self.dim % self.heads:
-            raise ValueError(f"gnot: dim={self.dim} must be divisible by heads={self.heads}")
+        super().__post_init__()
         if self.space_dim is not None and not 0 < self.space_dim <= self.in_dim:
             raise ValueError(f"gnot: space_dim must be in [1, in_dim={self.in_dim}], "
                              f"got {self.space_dim}")
@@ -65,9 +58,6 @@ class GNOTConfig:
     @property
     def coordinate_channels(self) -> int:
         return self.in_dim if self.space_dim is None else self.space_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "gnot", **asdict(self)}
 
 
 class NormalizedAttention(nn.Module):
@@ -81,23 +71,18 @@ class NormalizedAttention(nn.Module):
         self.value_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def _heads(self, t_BNC: torch.Tensor) -> torch.Tensor:
-        B, N, C = t_BNC.shape
-        return t_BNC.view(B, N, self.heads, C // self.heads).transpose(1, 2)
-
     def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None
                 ) -> torch.Tensor:
-        q = self._heads(self.query_proj(x)).softmax(dim=-1)                  # q~ [B,H,N,D]
-        k = self._heads(self.key_proj(y)).softmax(dim=-1)                    # k~
-        v = self._heads(self.value_proj(y))
+        q = split_heads(self.query_proj(x), self.heads).softmax(dim=-1)      # q~ [B,H,N,D]
+        k = split_heads(self.key_proj(y), self.heads).softmax(dim=-1)        # k~
+        v = split_heads(self.value_proj(y), self.heads)
         if mask is not None:                                                 # drop padding keys
             keep = mask[:, None, :, None].to(k.dtype)
             k, v = k * keep, v * keep
         context = k.transpose(-1, -2) @ v                                    # [B,H,D,D]
         normaliser = q @ k.sum(dim=2, keepdim=True).transpose(-1, -2)        # [B,H,N,1]
         z = (q @ context) / normaliser
-        B, H, N, D = z.shape
-        return self.out_proj(z.transpose(1, 2).reshape(B, N, H * D))
+        return self.out_proj(merge_heads(z))
 
 
 class GatedExperts(nn.Module):

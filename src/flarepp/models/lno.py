@@ -25,67 +25,32 @@ computed explicitly (an ``[B, N, R]`` tensor).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import ResidualMLP
-from flarepp.ops import FUSED, AttentionBackend, make_norm
+from flarepp.models.backbone import LatentModelConfig, ResidualMLP
+from flarepp.models.latent import LatentSelfAttentionBlock
 
 
 @dataclass(kw_only=True)
-class LNOConfig:
+class LNOConfig(LatentModelConfig):
     """``latents``: the number R of latent modes; ``blocks``: latent attention blocks;
     ``projector_layers``: hidden residual layers of each MLP (LNO's ``n_layer``)."""
 
-    in_dim: int
-    out_dim: int
-    dim: int = 128
-    heads: int = 8
+    arch = "lno"
+
     blocks: int = 4
     latents: int = 256
     projector_layers: int = 2
     mlp_ratio: float = 2.0
-    norm: str = "layernorm"
-    attn_scale: float | None = None
 
     def __post_init__(self) -> None:
-        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
-                         "lno")
+        super().__post_init__()
         if self.projector_layers < 0:
             raise ValueError(f"lno: projector_layers must be >= 0, got {self.projector_layers}")
-        if self.dim % self.heads:
-            raise ValueError(f"lno: dim={self.dim} must be divisible by heads={self.heads}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "lno", **asdict(self)}
-
-
-class LatentBlock(nn.Module):
-    """``Z + MHSA(LN(Z))``, ``Z + MLP(LN(Z))`` over the R modes (Q, K, V with bias)."""
-
-    def __init__(self, c: LNOConfig) -> None:
-        super().__init__()
-        self.heads, self.attn_scale = c.heads, c.attn_scale
-        self.backend: AttentionBackend = FUSED
-        self.attn_norm = make_norm(c.norm, c.dim)
-        self.qkv_proj = nn.Linear(c.dim, 3 * c.dim)
-        self.out_proj = nn.Linear(c.dim, c.dim)
-        self.mlp_norm = make_norm(c.norm, c.dim)
-        hidden = int(c.dim * c.mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(c.dim, hidden), nn.GELU(), nn.Linear(hidden, c.dim))
-
-    def forward(self, z_BRC: torch.Tensor) -> torch.Tensor:
-        B, R, C = z_BRC.shape
-        qkv = self.qkv_proj(self.attn_norm(z_BRC)).view(B, R, 3, self.heads, C // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                         # [B,H,R,D]
-        y = self.backend.self_attention(q, k, v, None, scale=self.attn_scale)
-        z_BRC = z_BRC + self.out_proj(y.transpose(1, 2).reshape(B, R, C))
-        return z_BRC + self.mlp(self.mlp_norm(z_BRC))
 
 
 class LNO(nn.Module):
@@ -100,7 +65,11 @@ class LNO(nn.Module):
         self.trunk = ResidualMLP(c.in_dim, c.dim, c.dim, L)
         self.branch = ResidualMLP(c.in_dim, c.dim, c.dim, L)
         self.mode_projector = ResidualMLP(c.dim, c.dim, c.latents, L)          # MLP_a
-        self.blocks = nn.ModuleList(LatentBlock(c) for _ in range(c.blocks))
+        # LNO's latent blocks: Q, K, V with bias and the exact GELU.
+        self.blocks = nn.ModuleList(
+            LatentSelfAttentionBlock(c.dim, c.heads, c.norm, c.mlp_ratio, qkv_bias=True,
+                                     gelu="none", attn_scale=c.attn_scale)
+            for _ in range(c.blocks))
         self.out_mlp = ResidualMLP(c.dim, c.dim, c.out_dim, L)
         # PyTorch's default initialisation, as in the FLARE study's LNO: the mode scores must
         # differ across modes from the start, or every mode encodes the same mean.

@@ -22,74 +22,26 @@ get zero outputs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flarepp.validate import require_positive
 from flarepp.mixers.base import check_tokens
-from flarepp.models.backbone import ResidualMLP, init_backbone_weights
+from flarepp.models.backbone import LatentModelConfig, ResidualMLP, init_backbone_weights
+from flarepp.models.latent import LatentSelfAttentionBlock, merge_heads, split_heads
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 
 @dataclass(kw_only=True)
-class PerceiverIOConfig:
+class PerceiverIOConfig(LatentModelConfig):
     """Table 9 defaults; ``blocks`` latent self-attention blocks, ``latents`` M."""
 
-    in_dim: int
-    out_dim: int
-    dim: int = 128
-    heads: int = 8
-    blocks: int = 8
+    arch = "perceiver-io"
+
     latents: int = 512
     mlp_ratio: float = 4.0
-    norm: str = "layernorm"
     io_layers: int = 2
-    attn_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
-                         "perceiver-io")
-        if self.dim % self.heads:
-            raise ValueError(f"perceiver-io: dim={self.dim} must be divisible by "
-                             f"heads={self.heads}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "perceiver-io", **asdict(self)}
-
-
-def _heads(t_BLC: torch.Tensor, heads: int) -> torch.Tensor:
-    B, L, C = t_BLC.shape
-    return t_BLC.view(B, L, heads, C // heads).transpose(1, 2)
-
-
-def _merge(t_BHLD: torch.Tensor) -> torch.Tensor:
-    B, H, L, D = t_BHLD.shape
-    return t_BHLD.transpose(1, 2).reshape(B, L, H * D)
-
-
-class LatentSelfAttentionBlock(nn.Module):
-    """``Z + MHSA(LN(Z))`` then ``Z + MLP(LN(Z))``; QKV without bias, as in the study."""
-
-    def __init__(self, c: PerceiverIOConfig) -> None:
-        super().__init__()
-        self.heads, self.attn_scale = c.heads, c.attn_scale
-        self.backend: AttentionBackend = FUSED
-        self.attn_norm = make_norm(c.norm, c.dim)
-        self.qkv_proj = nn.Linear(c.dim, 3 * c.dim, bias=False)
-        self.out_proj = nn.Linear(c.dim, c.dim)
-        self.mlp_norm = make_norm(c.norm, c.dim)
-        hidden = int(c.dim * c.mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(c.dim, hidden), nn.GELU(approximate="tanh"),
-                                 nn.Linear(hidden, c.dim))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads(t, self.heads) for t in self.qkv_proj(self.attn_norm(z)).chunk(3, -1))
-        z = z + self.out_proj(_merge(self.backend.self_attention(q, k, v, None,
-                                                                 scale=self.attn_scale)))
-        return z + self.mlp(self.mlp_norm(z))
 
 
 class PerceiverIO(nn.Module):
@@ -109,7 +61,11 @@ class PerceiverIO(nn.Module):
         self.encode_norm = make_norm(c.norm, c.dim)
         self.encode_key_value_proj = nn.Linear(c.dim, 2 * c.dim)
         self.encode_out_proj = nn.Linear(c.dim, c.dim)
-        self.blocks = nn.ModuleList(LatentSelfAttentionBlock(c) for _ in range(c.blocks))
+        # QKV without bias, as in the FLARE study's PerceiverIO; the backbone's tanh GELU.
+        self.blocks = nn.ModuleList(
+            LatentSelfAttentionBlock(c.dim, c.heads, c.norm, c.mlp_ratio, qkv_bias=False,
+                                     gelu="tanh", attn_scale=c.attn_scale)
+            for _ in range(c.blocks))
         # Decoder cross-attention: the point tokens query the latents.
         self.decode_query_norm = make_norm(c.norm, c.dim)
         self.decode_latent_norm = make_norm(c.norm, c.dim)
@@ -128,14 +84,14 @@ class PerceiverIO(nn.Module):
         tokens = self.in_proj(x)                                                 # [B, N, C]
         latents = self.latent_array.unsqueeze(0).expand(x.shape[0], -1, -1)      # [B, M, C]
         k, v = self.encode_key_value_proj(self.encode_norm(tokens)).chunk(2, dim=-1)
-        gathered = self.backend.encode(_heads(latents, c.heads), _heads(k, c.heads),
-                                       _heads(v, c.heads), mask, scale=s)
-        z = latents + self.encode_out_proj(_merge(gathered))
+        gathered = self.backend.encode(split_heads(latents, c.heads), split_heads(k, c.heads),
+                                       split_heads(v, c.heads), mask, scale=s)
+        z = latents + self.encode_out_proj(merge_heads(gathered))
         for block in self.blocks:
             z = block(z)
         q = self.decode_query_proj(self.decode_query_norm(tokens))
         k, v = self.decode_key_value_proj(self.decode_latent_norm(z)).chunk(2, dim=-1)
-        read = self.backend.decode(_heads(q, c.heads), _heads(k, c.heads),
-                                   _heads(v, c.heads), mask, scale=s)
-        y = self.out_proj(self.out_norm(self.decode_out_proj(_merge(read))))
+        read = self.backend.decode(split_heads(q, c.heads), split_heads(k, c.heads),
+                                   split_heads(v, c.heads), mask, scale=s)
+        y = self.out_proj(self.out_norm(self.decode_out_proj(merge_heads(read))))
         return y if mask is None else y.masked_fill(~mask[..., None], 0.0)

@@ -24,41 +24,21 @@ reach a real token and their outputs are zero.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flarepp.validate import require_positive
-from flarepp.models.backbone import SurrogateModel
+from flarepp.models.backbone import BackboneConfig, SurrogateModel
+from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 
 @dataclass(kw_only=True)
-class SetTransformerConfig:
+class SetTransformerConfig(BackboneConfig):
     """Tables 7-8 settings; ``latents`` is the number M of inducing points per ISAB."""
 
-    in_dim: int
-    out_dim: int
-    dim: int = 128
-    heads: int = 8
-    blocks: int = 8
-    latents: int = 64
-    norm: str = "layernorm"
-    ffn_ratio: float = 2.0
-    io_layers: int = 2
-    attn_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        require_positive(self, ("in_dim", "out_dim", "dim", "heads", "blocks", "latents"),
-                         "set-transformer")
-        if self.dim % self.heads:
-            raise ValueError(f"set-transformer: dim={self.dim} must be divisible by "
-                             f"heads={self.heads}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "set-transformer", **asdict(self)}
+    arch = "set-transformer"
 
 
 class MAB(nn.Module):
@@ -75,21 +55,16 @@ class MAB(nn.Module):
         self.out_norm = make_norm(norm, dim)
         self.act = nn.GELU(approximate="tanh")
 
-    def _heads(self, t_BLC: torch.Tensor) -> torch.Tensor:
-        B, L, C = t_BLC.shape
-        return t_BLC.view(B, L, self.heads, C // self.heads).transpose(1, 2)
-
     def forward(self, queries: torch.Tensor, keys_values: torch.Tensor,
                 mask: torch.Tensor | None, *, queries_are_tokens: bool) -> torch.Tensor:
         q = self.query_proj(queries)                                    # [B, L, C]
         k, v = self.key_value_proj(keys_values).chunk(2, dim=-1)
-        qh, kh, vh = self._heads(q), self._heads(k), self._heads(v)
+        qh, kh, vh = (split_heads(t, self.heads) for t in (q, k, v))
         if queries_are_tokens:   # tokens read the inducing summaries; padding rows zero
             a = self.backend.decode(qh, kh, vh, mask, scale=self.attn_scale)
         else:                    # inducing points gather the real tokens
             a = self.backend.encode(qh, kh, vh, mask, scale=self.attn_scale)
-        B, H, L, D = a.shape
-        h = self.attn_norm(q + a.transpose(1, 2).reshape(B, L, H * D))
+        h = self.attn_norm(q + merge_heads(a))
         return self.out_norm(h + self.act(self.row_ff(h)))
 
 
@@ -130,6 +105,7 @@ class SetTransformer(SurrogateModel):
     """``[B, N, in_dim] -> [B, N, out_dim]``: the shared backbone with B ISAB blocks."""
 
     config_cls = SetTransformerConfig
+    token_shardable = False  # the backbone's flag is not inherited: no sharded parity test
 
     def make_block(self) -> nn.Module:
         return SetAttentionBlock(self.config)

@@ -280,9 +280,16 @@ class FusedBackend(AttentionBackend):
 FUSED = FusedBackend()
 
 
-def set_backend(module: nn.Module, backend: AttentionBackend) -> nn.Module:
-    """Route every mixer inside ``module`` through ``backend``; returns ``module``."""
+def set_backend(module: nn.Module, backend: AttentionBackend
+                ) -> list[tuple[nn.Module, AttentionBackend]]:
+    """Route every mixer inside ``module`` through ``backend``.
+
+    Returns the ``(submodule, previous backend)`` pairs it replaced, so the caller can put
+    them back (``flarepp.distributed.shardable.restore_backends``).
+    """
+    replaced = []
     for sub in module.modules():
-        if hasattr(sub, "backend") and isinstance(sub.backend, AttentionBackend):
+        if isinstance(getattr(sub, "backend", None), AttentionBackend):
+            replaced.append((sub, sub.backend))
             sub.backend = backend
-    return module
+    return replaced

@@ -1,29 +1,25 @@
 """Named runs: the paper's (Tables 7-8, 500 epochs) and CPU-sized ``-tiny`` ones.
 
-Paper settings: C=128, H=8, FFN ratio 2, peak LR 1e-3, one-cycle, EMA, FP32.
-Per dataset (Table 8): blocks B, latents M, batch size, weight decay.
+Paper settings: C=128, H=8, FFN ratio 2, peak LR 1e-3, one-cycle, EMA, FP32 (Table 7,
+``flarepp.paper.TABLE7``); per dataset blocks B, latents M, batch size, weight decay and
+epochs (Table 8, ``flarepp.paper.TABLE8``).
 """
 
 from __future__ import annotations
 
+from flarepp.paper import TABLE7, TABLE8
 from flarepp.registry import Registry
 from flarepp.train.config import RunConfig
 
 PRESETS: Registry = Registry("preset")
 
-_PAPER = {  # dataset: (blocks, latents, batch, weight decay)
-    "elasticity": (8, 64, 2, 1e-5),
-    "darcy": (8, 128, 2, 1e-5),
-    "airfoil": (8, 64, 2, 1e-5),
-    "pipe": (2, 64, 2, 1e-5),
-    "drivaerml-40k": (4, 64, 1, 1e-2),
-}
-
-for _name, (_blocks, _latents, _batch, _wd) in _PAPER.items():
+for _name, _row in TABLE8.items():
     PRESETS.add(_name, RunConfig(
         name=_name, dataset=_name, data_root=f"data/{_name}",
-        model=dict(mixer="flarepp", dim=128, heads=8, blocks=_blocks, latents=_latents),
-        epochs=500, batch_size=_batch, weight_decay=_wd, checkpoint_every=10),
+        model=dict(mixer="flarepp", dim=TABLE7["dim"], heads=TABLE7["heads"],
+                   blocks=_row.blocks, latents=_row.latents),
+        epochs=_row.epochs, batch_size=_row.batch_size, weight_decay=_row.weight_decay,
+        checkpoint_every=10),
         doc=f"paper run on {_name} (Tables 7-8)")
 
 # CPU-sized runs: same protocol, small model, sub-sampled meshes, few samples and epochs.
