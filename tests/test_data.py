@@ -1,7 +1,8 @@
 """Data layer: loaders on tiny files in the public formats, the user format, errors, generators.
 
 Every file here is written by the test in the exact layout of the public release it imitates
-(the files and keys tabled in ``flarepp.data.loaders``; paper Sec. C.1), at a few samples, so the whole module runs in seconds.
+(the files and keys tabled in ``flarepp.data.loaders``; paper Sec. C.1), at a few samples, so
+the whole module runs in seconds.
 """
 
 from __future__ import annotations
