@@ -462,6 +462,19 @@ def test_registry_names_and_task_table():
         load_lra("mnist", "x")
 
 
+def test_task_load_applies_tiny_options(tmp_path):
+    """``LRA_TASKS[...].load("tiny", ...)`` reads the offline data with the table's loader
+    options (ListOps capped at 300 tokens) and split limits (Image: 10k / 1k / 2k)."""
+    make_listops(tmp_path, n_train=8, n_val=2, n_test=2, min_length=5, max_length=40,
+                 progress=False)
+    data = LRA_TASKS.get("listops").load("tiny", tmp_path)
+    assert data.max_length == 300 and len(data.splits["train"]) == 8
+    assert LRA_TASKS.get("listops").load("paper", tmp_path).max_length == 2000
+    if Path("/usr/share/datasets/fashion-mnist").is_dir():
+        image = LRA_TASKS.get("image").load("tiny")
+        assert [len(s) for s in image.splits.values()] == [10_000, 1_000, 2_000]
+
+
 def test_cli_make_and_check(tmp_path, capsys):
     out = tmp_path / "listops"
     assert cli_main(["lra", "data", "make", "listops", "--out", str(out), "--n-train", "20",

@@ -225,8 +225,7 @@ def load_listops(root: str | Path, *, max_length: int = 2000,
                           "make listops --out DIR`")
         sources, labels = read_listops_tsv(path)
         documents = tokenize(sources, where=str(path))
-        lengths = np.minimum(documents.lengths, max_length)
-        if (lengths < documents.lengths).any():
+        if (documents.lengths > max_length).any():
             documents = TokenSequences.from_sequences(
                 documents[i][:max_length] for i in range(len(documents)))
         out[split] = LRASplit((documents,), labels)

@@ -29,10 +29,13 @@ property of the pixels that a flood fill can check:
 Hence the dots are 8-connected through non-zero pixels iff the image is positive. Pixels:
 0 background, 191 (paddle contrast 0.75) contours, 255 markers; no anti-aliasing.
 
-Vectorisation: ``B`` images grow in lockstep, one paddle at a time; each step proposes
-``C`` turning angles per image, checks all of them against the occupancy grids at once
-(a gather of the 3 x 3 neighbourhood of every candidate pixel) and keeps the first free one.
-An image whose target snakes get stuck is dropped and replaced.
+Vectorisation: ``B`` images grow in lockstep, one paddle at a time. A snake's next paddle
+is checked at every turning angle of the continuity law at once (a gather of the 3 x 3
+neighbourhood of every candidate pixel in the occupancy grids), and the turn is drawn from
+the law restricted to the free angles, as snakes2.py samples its law over the available
+positions. First paddles (tips) take the first free of ``C`` random proposals. An image
+whose target snakes get stuck is dropped and replaced (about 40 % of attempts succeed for
+contour length 14, 85 % for 6).
 
 Release format read by :func:`load_pathfinder`: ``<set>/imgs/<batch>/sample_<i>.png``
 (8-bit grayscale) and ``<set>/metadata/<batch>.npy``, which despite its name is a text file,
@@ -75,7 +78,7 @@ class PathfinderRules:
     seed_distance: float = 7.0
     continuity: float = 1.0
     clutter_attempts: int = 120
-    candidates: int = 8
+    candidates: int = 8  # random proposals for a snake's first paddle
 
     @property
     def step(self) -> int:

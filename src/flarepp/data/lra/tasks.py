@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from flarepp.data.lra.base import LRADataset
 from flarepp.models.sequence import SequenceClassifierConfig
 from flarepp.registry import Registry
 
@@ -96,6 +98,19 @@ class LRATask:
         if size not in ("paper", "tiny"):
             raise ValueError(f"unknown size {size!r}; known sizes: paper, tiny")
         return getattr(self, size)
+
+    def load(self, size: str = "paper", root: str | Path | None = None, *,
+             dataset: str | None = None, **options: Any) -> LRADataset:
+        """This task's data at ``size``: the paper's dataset, or for ``tiny`` the offline one
+        when there is one, with the size's loader options and split limits applied.
+        ``dataset`` and ``options`` override the table (e.g. ``dataset="lra-pickle"``)."""
+        from flarepp.data.lra import load_lra
+        settings = self.settings(size)
+        tiny = size == "tiny" and dataset is None and self.tiny_dataset is not None
+        name = dataset or (self.tiny_dataset if tiny else self.dataset)
+        defaults = self.tiny_load if tiny else {}
+        data = load_lra(name, root, **{**defaults, **options})
+        return data.limited(settings.split_limits) if settings.split_limits else data
 
     def model_config(self, *, vocab_size: int, num_classes: int, max_length: int, mixer: str,
                      size: str = "paper", **overrides: Any) -> SequenceClassifierConfig:
