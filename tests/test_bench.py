@@ -104,13 +104,14 @@ def test_sweep_in_process_records_and_skips(tmp_path):
     assert paths["png"].stat().st_size > 0
 
 
-@pytest.mark.parametrize("retain", [True, False])
+@pytest.mark.parametrize("retain", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_cpu_point_in_fresh_interpreter(retain):
     """The default CPU path: the point runs in its own interpreter, whose allocator keeps
     freed memory unless switched off (the record says which, as the worker applied it), and
     reports the growth of its resident set during the step (0: the probe measured nothing)."""
     config = ScalingConfig(mixers=["flare"], sizes=[4096], threads=1, retain_memory=retain,
                            **TINY)
+    assert config.isolate  # the CPU default
     (record,) = run_scaling(config, log=lambda s: None)["records"]
     assert record["status"] == "ok", record["status"]
     if not retain:

@@ -8,7 +8,8 @@ taken above the memory held once the model and its input exist:
 * CPU: every point runs in a fresh interpreter (freed memory of an earlier point would
   otherwise be reused unseen); peak resident set minus the resident set after importing
   torch and building the model and input (:mod:`flarepp.bench.memory`);
-* CUDA: in this process, ``torch.cuda.max_memory_allocated`` (reset before the point's
+* CUDA: in this process by default (``isolate=True``: a fresh one per point),
+  ``torch.cuda.max_memory_allocated`` (reset before the point's
   steps) minus the memory allocated after building the model and input. Allocated, not
   reserved, bytes: memory cached by earlier points does not count, and every point starts
   from an emptied cache (also after a point that ran out of memory). Each step is timed
@@ -127,13 +128,15 @@ class ScalingConfig:
     rounds: int = 1
     total_budget_s: float | None = None
     retain_memory: bool = field(default_factory=allocator.retain_memory_requested)
-    isolate: bool = True  # CPU: one fresh interpreter per point (False: in-process, tests)
+    isolate: bool | None = None  # a fresh interpreter per point; None: on CPU only
     peak_matmul_size: int | None = None  # side of the GEMMs of matmul_peak (None: default)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known dtypes: {', '.join(DTYPES)}")
         self.device = str(resolve_device(self.device))  # raises a sentence if unavailable
+        if self.isolate is None:
+            self.isolate = torch.device(self.device).type == "cpu"
         if self.repeats < 1 or self.warmup < 0 or self.batch < 1:
             raise ValueError(f"need repeats >= 1, warmup >= 0, batch >= 1; got {self}")
         if self.rounds < 1:
@@ -384,13 +387,15 @@ def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | 
 
 def _measure(config: ScalingConfig, mixer: str, n: int, record: dict[str, Any],
              dev: torch.device) -> dict[str, Any]:
-    """One round of one point: in a fresh interpreter on CPU, in this process on CUDA.
+    """One round of one point: in a fresh interpreter if ``config.isolate`` (the default on
+    CPU), else in this process (the default on CUDA: no interpreter and CUDA start-up per
+    point; ``isolate=True`` also protects later points from a failing kernel).
 
     In this process, a point that runs out of memory raises ``RuntimeError`` only after its
     tensors, held by the out-of-memory error's traceback, are freed and the CUDA cache is
     emptied, so that the next point's free-memory estimate and its run start clean.
     """
-    if dev.type == "cpu" and config.isolate:
+    if config.isolate:
         timeout = 60 + 3 * max(record["estimated_time_s"] or 0.0, config.time_budget_s)
         return _in_fresh_interpreter(config, {"kind": "point", "mixer": mixer, "n": n}, timeout)
     failure = None
