@@ -7,12 +7,16 @@ name (``flarepp.data.load_dataset(name, out, n_train=..., n_test=...)``).
 * ``darcy``: FNO's piecewise-constant Darcy recipe, 5-point finite volumes (``darcy.py``);
 * ``elasticity``: a unit cell with a random void, linear elasticity, P1 finite elements on a
   triangle mesh, von Mises stress at 972 points (``elasticity.py``; needs ``flarepp[mesh]``).
+* ``surface-flow``: car-like bodies, potential-flow surface pressure and a skin-friction
+  wall shear, DrivAerML's ``run_<i>/boundary_<i>.vtp`` layout (``surface_flow.py``; read with
+  ``flarepp.data.drivaerml.DrivAerMLSurfaces``; needs ``flarepp[surface]``).
 """
 
 from __future__ import annotations
 
 from flarepp.data.generators.darcy import make_darcy
 from flarepp.data.generators.elasticity import make_elasticity
+from flarepp.data.generators.surface_flow import make_surface_flow
 from flarepp.registry import Registry
 
 GENERATORS: Registry = Registry("generator")
@@ -20,5 +24,8 @@ GENERATORS.add("darcy", make_darcy, defaults={"resolution": 85},
                doc="Darcy flow, FNO recipe, finite volumes (.mat, release layout)")
 GENERATORS.add("elasticity", make_elasticity, defaults={"resolution": None},
                doc="unit cell with a random void, linear elasticity (.npy, Geo-FNO layout)")
+GENERATORS.add("surface-flow", make_surface_flow, defaults={"resolution": 5000},
+               doc="car-like bodies, source-panel pressure + skin-friction wall shear "
+                   "(.vtp, DrivAerML layout; needs flarepp[surface])")
 
-__all__ = ["GENERATORS", "make_darcy", "make_elasticity"]
+__all__ = ["GENERATORS", "make_darcy", "make_elasticity", "make_surface_flow"]
