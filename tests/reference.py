@@ -173,14 +173,35 @@ def routing_matrix(name: str, mixer, x):
     return decode_w @ encode_w
 
 
-def assert_backend_parity(module, x, mask=None):
+class CountingExplicitBackend(ExplicitBackend):
+    """:class:`ExplicitBackend` that counts the attention calls it serves."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, *args, **kw):
+        self.calls += 1
+        return super().encode(*args, **kw)
+
+    def decode(self, *args, **kw):
+        self.calls += 1
+        return super().decode(*args, **kw)
+
+    def self_attention(self, *args, **kw):
+        self.calls += 1
+        return super().self_attention(*args, **kw)
+
+
+def assert_backend_parity(module, x, mask=None) -> int:
     """``module`` on the fused backend equals a copy on :class:`ExplicitBackend`: outputs
-    and the gradients of the input and every parameter (float64, 1e-10)."""
+    and the gradients of the input and every parameter (float64, 1e-10). Returns how many
+    attention calls the explicit copy served (0: the comparison checked nothing)."""
     import copy
 
     from flarepp.ops import set_backend
     explicit = copy.deepcopy(module)
-    set_backend(explicit, ExplicitBackend())
+    backend = CountingExplicitBackend()
+    set_backend(explicit, backend)
     outs, grads = [], []
     for m in (module, explicit):
         xi = x.clone().requires_grad_(True)
@@ -191,6 +212,7 @@ def assert_backend_parity(module, x, mask=None):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    return backend.calls
 
 
 # ----------------------------------------------------------------------------------------
