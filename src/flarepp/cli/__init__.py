@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMPUTE_COMMANDS = frozenset({"train", "eval", "infer", "bench", "demo", "compare"})
+COMPUTE_COMMANDS = frozenset({"train", "eval", "infer", "bench", "demo", "compare", "sweep"})
 """Commands whose process keeps freed host memory for reuse (:mod:`flarepp.allocator`;
 ``FLAREPP_RETAIN_MEMORY=0`` switches it off)."""
 
