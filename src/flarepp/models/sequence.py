@@ -222,8 +222,8 @@ class SequenceClassifierConfig:
 def check_token_ids(tokens: torch.Tensor, mask: torch.Tensor | None, max_length: int,
                     what: str = "tokens") -> None:
     """Raise a ``ValueError`` that says what was expected for bad ``tokens`` or ``mask``."""
-    if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise ValueError(f"{what} must be integer token ids [B, N], got "
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what} must be integer token ids [B, N] (int64 or int32), got "
                          f"{tokens.dtype} of shape {list(tokens.shape)}")
     if tokens.shape[1] > max_length:
         raise ValueError(f"{what} has N={tokens.shape[1]} tokens but the model was built for "
