@@ -79,7 +79,7 @@ def test_compute_commands_apply_it_and_others_do_not(monkeypatch, tmp_path, caps
     calls = []
     monkeypatch.setattr(allocator, "apply_policy",
                         lambda: calls.append(1) or allocator.AllocatorPolicy(False, "test"))
-    assert main(["eval", str(tmp_path / "missing.pt")]) == 2  # fails after applying
+    assert main(["eval", str(tmp_path / "missing.pt")]) == 1  # a runtime error, after it
     assert calls == [1]
     assert main(["presets"]) == 0
     assert calls == [1]
