@@ -12,6 +12,7 @@ from typing import Any
 from flarepp.tasks.base import Task, gather_records, pad_stack
 from flarepp.tasks.registry import TASKS
 from flarepp.tasks import fields  # noqa: F401  (registers "fields")
+from flarepp.tasks import language  # noqa: F401  (registers "lm" and dataset "text-files")
 
 
 def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:

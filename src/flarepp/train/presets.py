@@ -88,3 +88,24 @@ PRESETS.add("npz", RunConfig(
 def get_preset(name: str, overrides: list[str] | None = None) -> RunConfig:
     from flarepp.train.config import apply_overrides
     return apply_overrides(PRESETS.get(name), list(overrides or []))
+
+
+# Byte-level language model on the Python standard library's sources (task ``lm``,
+# flarepp.tasks.language): a 2-block decoder of width 64, windows of 128 bytes, 8 epochs of
+# 1024 windows (512 optimizer steps; minutes on a CPU core). One preset per causal mixer.
+def _language_preset(name: str, mixer: str, doc: str) -> None:
+    from flarepp.tasks.language import default_text_root
+    PRESETS.add(name, RunConfig(
+        name=name, task="lm", dataset="text-files", data_root=default_text_root(),
+        dataset_options=dict(context=128, n_train=1024, n_test=256),
+        model=dict(arch="causal-lm", mixer=mixer, dim=64, heads=4, blocks=2, latents=32),
+        epochs=8, batch_size=16, lr=3e-3, weight_decay=1e-2, ema_decay=0.99,
+        checkpoint_every=4), doc=doc)
+
+
+_language_preset("lm-tiny", "flare-causal",
+                 "byte LM on the Python stdlib sources, causal FLARE (CPU minutes)")
+_language_preset("lm-tiny-flarepp", "flarepp-causal",
+                 "byte LM on the Python stdlib sources, causal FLARE++ (CPU minutes)")
+_language_preset("lm-tiny-attention", "attention-causal",
+                 "byte LM on the Python stdlib sources, causal attention (CPU minutes)")
