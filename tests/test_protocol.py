@@ -309,3 +309,25 @@ def test_trainer_writes_param_groups(tmp_path):
     assert [g["weight_decay"] for g in groups] == [1e-3, 0.0]
     assert "blocks.0.mixer.gate_logit" in groups[1]["names"]
     assert "blocks.0.mixer.out_proj.weight" in groups[0]["names"]
+
+
+def test_golden_darcy_tiny_curves(tmp_path):
+    """The seeded darcy-tiny curves (FLARE++ and FLARE, tests/golden/darcy_tiny.json, made
+    by scripts/golden_darcy_tiny.py) are reproduced to a relative 1e-5: float noise moves
+    them by ~2e-8, the smallest protocol change by 1.4e-4 (see the script). A failure means
+    the training protocol, the model or the data generator changed: if intended, regenerate
+    the file and say why."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("golden", root / "scripts" /
+                                                  "golden_darcy_tiny.py")
+    golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden)
+    stored = json.loads((root / "tests" / "golden" / "darcy_tiny.json").read_text())
+    assert set(stored) == set(golden.CURVES)
+    for name, extra in golden.CURVES.items():
+        got = golden.golden_run(tmp_path, extra, run_name=name)
+        assert got["overrides"] == stored[name]["overrides"]
+        for key in ("train_loss", "test_rel_l2_per_epoch", "test_rel_l2", "train_rel_l2"):
+            np.testing.assert_allclose(got[key], stored[name][key], rtol=1e-5, err_msg=key)
