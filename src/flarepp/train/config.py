@@ -82,6 +82,11 @@ class RunConfig:
     ``cuda:K``; ``loader_workers`` -1 means 2 worker processes on CUDA and none on the CPU
     (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
     evaluation meshes in chunks of that many points.
+
+    ``latent_schedule`` grows the latent count M during training (rank-adaptive FLARE, the
+    talk's Aim 1(a)): ``"16,32@10,64@20"`` starts at M = 16 and grows every FLARE / FLARE++
+    mixer to 32 latents at the start of epoch 10 and to 64 at epoch 20, keeping the model's
+    function (:mod:`flarepp.rank_growth`); ``model.latents`` is then the schedule's first M.
     """
 
     name: str
@@ -116,6 +121,7 @@ class RunConfig:
     compile: bool = False
     loader_workers: int = -1
     eval_chunk_size: int | None = None
+    latent_schedule: str | None = None
 
     def __post_init__(self) -> None:
         check_types(self, "run config")
@@ -137,6 +143,8 @@ class RunConfig:
             raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
         from flarepp.train.optim import WEIGHT_DECAY_GROUPS
         WEIGHT_DECAY_GROUPS.entry(self.weight_decay_groups)
+        if self.latent_schedule is not None:
+            self.schedule()  # parses, or raises naming the problem
         self._check_model()
         self._check_dataset()
         from flarepp.tasks import TASKS
@@ -219,10 +227,20 @@ class RunConfig:
                              f"{', '.join(sorted(known))}")
         return cls(**{**LEGACY_PROTOCOL, **d})
 
+    def schedule(self):
+        """The :class:`flarepp.rank_growth.LatentSchedule` of ``latent_schedule`` (or None)."""
+        if self.latent_schedule is None:
+            return None
+        from flarepp.rank_growth import LatentSchedule
+        return LatentSchedule.parse(self.latent_schedule)
+
     def model_kwargs(self) -> dict[str, Any]:
         """``build_model`` keywords: ``model`` with the norm of the precision (C.2) and the
-        SDPA scale of ``attn_scale`` filled in where ``model`` leaves them unset."""
+        SDPA scale of ``attn_scale`` filled in where ``model`` leaves them unset; with a
+        ``latent_schedule``, the model starts at the schedule's first M."""
         kwargs = dict(self.model)
+        if self.latent_schedule is not None:
+            kwargs["latents"] = self.schedule().latents_at(0)
         if kwargs.get("norm") is None:
             kwargs["norm"] = "layernorm" if self.precision == "fp32" else "rmsnorm"
         if "attn_scale" not in kwargs:

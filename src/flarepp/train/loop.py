@@ -145,19 +145,9 @@ class Trainer:
         self.model = task.build_model().to(self.device)
         self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(c.ema_decay),
                                  use_buffers=True)
-        if c.compile:
-            from flarepp.models.backbone import compile_model
-            compile_model(self.model)
-        if parallel.cp_group is not None:
-            from flarepp.distributed import context_parallel
-            context_parallel(self.model, parallel.cp_group)
-            context_parallel(self.ema.module, parallel.cp_group)
-        self.train_model: torch.nn.Module = self.model
-        if parallel.dp_group is not None:
-            self.train_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=parallel.dp_group,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._wrap()
         self.optimizer = build_optimizer(self.model, c)
+        self.latent_schedule = c.schedule()
         self.n_train = task.num_samples("train")
         self.steps_per_epoch = steps_per_epoch(self.n_train, c.batch_size)
         self.scheduler = build_scheduler(self.optimizer, c, c.epochs * self.steps_per_epoch)
@@ -170,6 +160,30 @@ class Trainer:
         self._stop_signal: int | None = None
         if found is not None:
             self._restore(found.path, found.state)
+
+    def _wrap(self) -> None:
+        """Compile, token-shard and data-parallel-wrap the model (again after it grew)."""
+        c, parallel = self.config, self.plan
+        if c.compile:
+            from flarepp.models.backbone import compile_model
+            compile_model(self.model)
+        if parallel.cp_group is not None:
+            from flarepp.distributed import context_parallel
+            context_parallel(self.model, parallel.cp_group)
+            context_parallel(self.ema.module, parallel.cp_group)
+        self.train_model: torch.nn.Module = self.model
+        if parallel.dp_group is not None:
+            self.train_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, process_group=parallel.dp_group,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def _grow(self, latents: int) -> None:
+        """Grow the model, its optimiser state and the EMA copy to ``latents`` latents,
+        keeping the function (:func:`flarepp.rank_growth.grow_latents`)."""
+        from flarepp.rank_growth import grow_latents
+        grow_latents(self.model, latents, self.optimizer)
+        grow_latents(self.ema.module, latents)
+        self._wrap()
 
     def close(self) -> None:
         """Release the run directory (idempotent)."""
@@ -205,6 +219,9 @@ class Trainer:
         if identity:
             check_same_data(identity, self.task.data_identity())
         self.task.load_state_dict(state["normalizers"])
+        grown = state["model_config"].get("latents")
+        if self.latent_schedule is not None and grown != self.model.config.latents:
+            self._grow(grown)  # the run had grown its latents: rebuild at that size
         self.model.load_state_dict(state["model"])
         self.ema.load_state_dict(state["ema_state"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -378,10 +395,20 @@ class Trainer:
             self._rewrite_log()
         done_now = 0
         while self.epoch < c.epochs:
+            latents = None
+            if self.latent_schedule is not None:
+                latents = self.latent_schedule.latents_at(self.epoch)
+                if latents > self.model.config.latents:
+                    self._grow(latents)
+                    if self.progress:
+                        print(f"epoch {self.epoch + 1}: latents grown to M = {latents}",
+                              flush=True)
             loss = self.train_epoch()
             self.epoch += 1
             record = {"epoch": self.epoch, "train_loss": loss,
                       "lr": self.scheduler.get_last_lr()[0], "seconds": self._epoch_seconds}
+            if latents is not None:
+                record["latents"] = latents
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
                 split = self.task.eval_splits[0]
                 record[f"{split}_{headline}"] = self.evaluate(split)[headline]
