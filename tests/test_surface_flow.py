@@ -76,7 +76,8 @@ def geodesic_sphere(frequency: int) -> tuple[np.ndarray, np.ndarray]:
 
 def ellipsoid_speed_factors(axes) -> np.ndarray:
     """``k_i = 2 / (2 - alpha_i)``, ``alpha_i = abc int_0^inf dl / ((a_i^2 + l) Delta(l))``,
-    ``Delta = sqrt((a^2 + l)(b^2 + l)(c^2 + l))`` (Lamb, Hydrodynamics, sections 114-115): in
+    ``Delta = sqrt((a^2 + l)(b^2 + l)(c^2 + l))`` (Lamb, Hydrodynamics, ch. V, the ellipsoid
+    in translation): in
     a uniform stream ``U`` the surface velocity of the ellipsoid is the tangential part of
     ``(k_x U_x, k_y U_y, k_z U_z)``. Sphere: ``alpha = 2/3``, ``k = 3/2``."""
     a, b, c = axes

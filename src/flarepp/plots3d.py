@@ -41,8 +41,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 
-from flarepp.data.drivaerml import (SurfacePolygons, polygon_centres_and_normals,  # noqa: E402
-                                    read_vtp)
+from flarepp.data.drivaerml import (CHUNK_CELLS, SurfacePolygons,  # noqa: E402
+                                    polygon_centres_and_normals, read_vtp)
 
 BACKENDS = ("auto", "vtk", "matplotlib")
 VIEW_DIRECTION = np.array([-1.0, -1.35, 0.8])   # camera side of the body: front left, above
@@ -101,7 +101,8 @@ import sys
 import numpy as np
 from vtkmodules import vtkRenderingOpenGL2 as gl
 from vtkmodules.vtkFiltersSources import vtkSphereSource
-from vtkmodules.vtkRenderingCore import vtkActor, vtkPolyDataMapper, vtkRenderer, vtkWindowToImageFilter
+from vtkmodules.vtkRenderingCore import (vtkActor, vtkPolyDataMapper, vtkRenderer,
+                                         vtkWindowToImageFilter)
 from vtkmodules.util.numpy_support import vtk_to_numpy
 window = getattr(gl, sys.argv[1])()
 source = vtkSphereSource()
@@ -225,14 +226,17 @@ class _VTKRenderer:
         self.renderer.ResetCameraClippingRange()
         self._grab = vtkWindowToImageFilter
         self.diagonal = float(np.linalg.norm(np.ptp(surface.points, axis=0)))
+        self.rendered = False
         self.size = size
 
     def visible_cells(self, centres_N3: np.ndarray) -> np.ndarray:
-        """Boolean ``[N]``: the cell centre passes the z-buffer test of the rendered view."""
+        """Boolean ``[N]``: the cell centre passes the z-buffer test of the view (the depth
+        does not depend on the colours: any earlier render serves, else one is made)."""
         from vtkmodules.vtkCommonCore import vtkIdTypeArray, vtkPoints
         from vtkmodules.vtkCommonDataModel import vtkPolyData
         from vtkmodules.vtkRenderingCore import vtkSelectVisiblePoints
-        self.render(np.zeros(self.polydata.GetNumberOfCells()), "viridis", (0.0, 1.0))
+        if not self.rendered:
+            self.render(np.zeros(self.polydata.GetNumberOfCells()), "viridis", (0.0, 1.0))
         cloud = vtkPolyData()
         points = vtkPoints()
         points.SetData(self._numpy_to_vtk(np.ascontiguousarray(centres_N3, np.float64),
@@ -267,6 +271,7 @@ class _VTKRenderer:
         self.polydata.GetCellData().SetScalars(scalars)
         self.polydata.Modified()
         self.window.Render()
+        self.rendered = True
         grab = self._grab()
         grab.SetInput(self.window)
         grab.ReadFrontBufferOff()
@@ -279,13 +284,12 @@ class _VTKRenderer:
 class _MatplotlibRenderer:
     """Flat-shaded polygons in a matplotlib 3-D axis with an orthographic camera."""
 
-    def __init__(self, surface: SurfacePolygons, centres_N3, normals_N3, max_cells: int,
-                 seed: int = 0):
-        self.surface = surface
-        focal, towards, _, _, _, _ = _camera_frame(surface.points)
+    def __init__(self, surface: SurfacePolygons, centres_N3, normals_N3, areas_N,
+                 max_cells: int, seed: int = 0):
+        _, towards, _, _, _, _ = _camera_frame(surface.points)
         self.towards = towards
         # orientation of the stored normals: outward when the enclosed volume is positive
-        signed_volume = float(np.einsum("nc,nc->", centres_N3, normals_N3 * self._areas()[:, None]))
+        signed_volume = float(np.einsum("nc,nc->", centres_N3, normals_N3 * areas_N[:, None]))
         self.facing = (normals_N3 @ towards) * np.sign(signed_volume or 1.0) > 0
         drawn = np.flatnonzero(self.facing)
         if len(drawn) > max_cells:
@@ -295,12 +299,9 @@ class _MatplotlibRenderer:
         self.polygons = [surface.points[surface.connectivity[s:s + k]]
                          for s, k in zip(surface.offsets[drawn], sizes)]
         light = towards + 0.4 * VIEW_UP
-        self.shade = AMBIENT + DIFFUSE * np.abs(normals_N3[drawn] @ (light / np.linalg.norm(light)))
+        light /= np.linalg.norm(light)
+        self.shade = AMBIENT + DIFFUSE * np.abs(normals_N3[drawn] @ light)
         self.limits = np.stack([surface.points.min(0), surface.points.max(0)])
-
-    def _areas(self) -> np.ndarray:
-        return polygon_centres_and_normals(self.surface.points, self.surface.offsets,
-                                           self.surface.connectivity)[2]
 
     def visible_cells(self, centres_N3: np.ndarray) -> np.ndarray:
         return self.facing
@@ -342,6 +343,15 @@ def _as_polygons(surface) -> SurfacePolygons:
                            faces.reshape(-1).astype(np.int64), {})
 
 
+def _cell_geometry(polygons: SurfacePolygons) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Centres, normals and areas of every cell, a bounded number of cells at a time."""
+    n = polygons.n_cells
+    parts = [polygon_centres_and_normals(polygons.points, polygons.offsets,
+                                         polygons.connectivity, start, min(start + CHUNK_CELLS, n))
+             for start in range(0, n, CHUNK_CELLS)]
+    return tuple(np.concatenate(arrays) for arrays in zip(*parts))
+
+
 def plot_surface_case(surface, truth_N4: np.ndarray, predictions: Mapping[str, np.ndarray],
                       out_dir: str | Path, *, case_name: str = "",
                       quantities: Sequence[str] = ("pressure", "wall_shear"),
@@ -359,11 +369,10 @@ def plot_surface_case(surface, truth_N4: np.ndarray, predictions: Mapping[str, n
             raise ValueError(f"{name}: expected [{n}, 4] values for the {n} cells, got "
                              f"{list(np.shape(values))}")
     backend, window = resolve_backend(backend)
-    centres, normals, _ = polygon_centres_and_normals(polygons.points, polygons.offsets,
-                                                      polygons.connectivity)
+    centres, normals, areas = _cell_geometry(polygons)
     renderer = (_VTKRenderer(polygons, window) if backend == "vtk"
-                else _MatplotlibRenderer(polygons, centres, normals, max_cells))
-    visible = renderer.visible_cells(centres)
+                else _MatplotlibRenderer(polygons, centres, normals, areas, max_cells))
+    visible = renderer.visible_cells(centres)     # the camera is fixed: one test for all panels
     if not visible.any():
         raise RuntimeError(f"no cell of {case_name or 'the surface'} is visible from the camera")
     out_dir = Path(out_dir)

@@ -10,8 +10,9 @@ for a family of closed car-like bodies in inviscid flow:
   (a superellipse, different exponents above and below the waist, the upper half narrowed by
   a tumblehome factor) along ``x = L xi``. The top and bottom centre-line profiles pass
   monotone cubic (PCHIP) curves through control points for the hood, windshield, roof and
-  rear (fastback to squareback), the ends close elliptically at the nose and with a power law
-  of chosen bluntness at the tail. Sampled: length, width, roof height, ground clearance,
+  rear (fastback to squareback), smoothed by a Gaussian of width 0.04 L (curvature radii a
+  few-thousand-panel solve resolves); the ends close elliptically at the nose and with a
+  power law of chosen bluntness at the tail. Sampled: length, width, roof height, ground clearance,
   nose length and height, hood height, windshield position, roof end and tail height, tail
   closure and bluntness, section exponents and the yaw angle of the flow. No wheels, mirrors
   or ground plane: the body is in free air.
@@ -23,22 +24,23 @@ for a family of closed car-like bodies in inviscid flow:
   (1967): flat panels (each polygon projected on the plane of its Newell normal through its
   vertex mean), one unknown source density ``sigma_j`` per panel, collocation at the panel
   centroids, ``1/2 sigma_i + sum_{j != i} sigma_j V_ij . n_i = -U_inf . n_i``. The velocity
-  of a unit source density on a planar polygon is exact (Newman 1986, eq. 2.9-2.10 in another
-  form): ``V = (1 / 4 pi) (sum_e m_e log((r_a + r_b + d_e) / (r_a + r_b - d_e)) + n Omega)``
+  of a unit source density on a planar polygon is exact (the closed form of Hess & Smith
+  1967 and Newman 1986, written per edge):
+  ``V = (1 / 4 pi) (sum_e m_e log((r_a + r_b + d_e) / (r_a + r_b - d_e)) + n Omega)``
   over its edges ``e`` (in-plane outward edge normal ``m_e``, length ``d_e``, distances
   ``r_a, r_b`` from the field point to the edge's ends) with ``Omega`` the signed solid angle
   it subtends (Van Oosterom & Strackee 1983). Pairs farther apart than ``NEAR_FIELD_RADII``
   panel radii use the point-source limit ``A_j (x - c_j) / (4 pi |x - c_j|^3)`` instead.
   Up to ``DIRECT_SOLVE_MAX`` panels the dense system is solved by LU, beyond it by GMRES
-  (a second-kind equation: ~5 iterations). Surface velocity ``u_t = u - (u . n) n``,
+  (a second-kind equation: 5-15 iterations). Surface velocity ``u_t = u - (u . n) n``,
   ``C_p = 1 - |u_t|^2 / U_inf^2`` and the kinematic pressure ``p_s = C_p U_inf^2 / 2``.
   Validated against the analytic sphere and ellipsoid (``tests/test_surface_flow.py``).
 * **Wall shear**: a turbulent flat-plate skin-friction law applied locally, ``c_f = 0.0576
-  Re_s^{-1/5}`` (Prandtl's 1/7-power law; Schlichting, Boundary-Layer Theory, eq. 21.12) with
-  ``Re_s = |u_t| s / nu``, where ``s`` is the run length from the front stagnation point:
-  the shortest path from the upstream-facing cell of highest ``C_p`` (potential flow also
-  stagnates at the rear) through the graph of cells sharing a vertex
-  (a geodesic-distance stand-in for the streamline length, a few % longer than the
+  Re_s^{-1/5}`` (the 1/7-power-law result for a turbulent flat plate; Schlichting,
+  Boundary-Layer Theory) with ``Re_s = |u_t| s / nu``, where ``s`` is the run length from
+  the front stagnation point: the shortest path from the upstream-facing cell of highest
+  ``C_p`` (potential flow also stagnates at the rear) through the graph of cells sharing a
+  vertex (a geodesic-distance stand-in for the streamline length, a few % longer than the
   geodesic; clipped below at ``MIN_RUN_LENGTH``).
   ``tau_w / rho = c_f |u_t| u_t / 2`` (kinematic, along the surface velocity), m^2/s^2. It
   ignores pressure gradients, laminar flow and separation: a model, not a RANS solution.
