@@ -145,10 +145,10 @@ class RunConfig:
         WEIGHT_DECAY_GROUPS.entry(self.weight_decay_groups)
         if self.latent_schedule is not None:
             self.schedule()  # parses, or raises naming the problem
+        from flarepp.tasks import TASKS  # importing the tasks registers their datasets
+        task_cls = TASKS.get(self.task)
         self._check_model()
         self._check_dataset()
-        from flarepp.tasks import TASKS
-        task_cls = TASKS.get(self.task)
         if hasattr(task_cls, "check_config"):
             task_cls.check_config(self)
 
