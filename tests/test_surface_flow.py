@@ -369,3 +369,17 @@ def test_surface_pictures_are_written_headless(tmp_path, backend):
     for path in paths:
         assert path.stat().st_size > 20_000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backend_choice_falls_back_to_matplotlib_with_a_warning(monkeypatch):
+    """Where VTK cannot render off-screen (a missing OpenGL library crashes a probe process,
+    not this one), "auto" warns and uses matplotlib, "vtk" refuses, unknown names list the
+    known ones."""
+    from flarepp import plots3d
+    monkeypatch.setattr(plots3d, "vtk_window_class", lambda: None)
+    with pytest.warns(RuntimeWarning, match="falling back to matplotlib"):
+        assert plots3d.resolve_backend("auto") == ("matplotlib", None)
+    with pytest.raises(RuntimeError, match="cannot render off-screen"):
+        plots3d.resolve_backend("vtk")
+    with pytest.raises(ValueError, match="known backends: auto, vtk, matplotlib"):
+        plots3d.resolve_backend("opengl")

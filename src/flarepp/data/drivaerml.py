@@ -472,20 +472,14 @@ class DrivAerMLSurfaces:
         except OSError as err:
             raise DataError(f"cannot write the cache {folder} ({err}); pass cache_dir= a "
                             "writable directory") from err
-
-        def geometry(out_c, out_n):
-            for start in range(0, n, CHUNK_CELLS):
-                stop = min(start + CHUNK_CELLS, n)
-                try:
-                    c, nrm, _ = polygon_centres_and_normals(
-                        surface.points, surface.offsets, surface.connectivity, start, stop)
-                except ValueError as err:
-                    raise DataError(f"{source}: {err}") from None
-                out_c[start:stop], out_n[start:stop] = c, nrm
-
-        centres = np.empty((n, 3), np.float32)
-        normals = np.empty((n, 3), np.float32)
-        geometry(centres, normals)
+        centres, normals = np.empty((n, 3), np.float32), np.empty((n, 3), np.float32)
+        for start in range(0, n, CHUNK_CELLS):          # bounded float64 temporaries
+            stop = min(start + CHUNK_CELLS, n)
+            try:
+                centres[start:stop], normals[start:stop], _ = polygon_centres_and_normals(
+                    surface.points, surface.offsets, surface.connectivity, start, stop)
+            except ValueError as err:
+                raise DataError(f"{source}: {err}") from None
         write_atomically({folder / "centres.npy": lambda h: np.save(h, centres),
                           folder / "normals.npy": lambda h: np.save(h, normals),
                           folder / "fields.npy": lambda h: np.save(h, fields.astype(np.float32))})
