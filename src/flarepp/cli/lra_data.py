@@ -3,7 +3,7 @@
 ``make`` writes a generated set in the LRA release format; sizes default to the release's
 (``--size tiny`` takes the CPU sizes of the task table), explicit flags override them.
 ``check`` reads any registered LRA dataset and prints its splits, lengths and labels.
-The ``lra`` command group is created here; other ``lra`` actions attach to it through
+The ``lra`` command group (:mod:`flarepp.cli.lra`) attaches these through
 :func:`add_data_commands`.
 """
 
@@ -105,9 +105,3 @@ def add_data_commands(lra_actions: argparse._SubParsersAction) -> None:
     check.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                        help="reader option, e.g. task=listops or difficulty=curv_baseline")
     check.set_defaults(func=_check)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("lra", help="Long Range Arena (paper Sec. 4.3)")
-    add_data_commands(parser.add_subparsers(dest="lra_command", metavar="ACTION",
-                                            required=True))

@@ -109,3 +109,93 @@ _language_preset("lm-tiny-flarepp", "flarepp-causal",
                  "byte LM on the Python stdlib sources, causal FLARE++ (CPU minutes)")
 _language_preset("lm-tiny-attention", "attention-causal",
                  "byte LM on the Python stdlib sources, causal attention (CPU minutes)")
+
+
+# Long Range Arena (task ``sequence``, paper Sec. 4.3 and D.5): one preset per task and size,
+# read from the task table flarepp.data.lra.LRA_TASKS (FLARE++ as the mixer; `flarepp lra
+# train TASK --mixer NAME` builds the same config for any other mixer).
+def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
+                   steps: int | None = None, split_limits: dict[str, int] | None = None,
+                   train_samples: int | None = None, batch_size: int | None = None,
+                   data_root: str | None = None) -> RunConfig:
+    """The run config of LRA task ``task`` at ``size`` ("paper" or "tiny") with ``mixer``.
+
+    Everything comes from the task's :class:`~flarepp.data.lra.LRARunSettings`: the model
+    (``model_options(mixer)``: FLARE-family overrides for FLARE and FLARE++, LayerNorm as
+    the reference), batch, learning rate, weight decay, betas, clipping, the one-cycle
+    schedule, EMA off (``ema_decay`` 0: the averaged weights are the weights), mixed
+    precision as bf16. A run bounded by steps trains ``ceil(steps / steps per epoch)``
+    whole epochs of ``train_samples`` samples (:meth:`LRARunSettings.run_epochs`; default:
+    the table's count, capped by a ``train`` split limit; ``flarepp lra train`` and ``lra
+    compare`` pass the size of the data actually read). ``steps``, ``split_limits`` and
+    ``batch_size`` shorten a run, cap splits or change the batch (the steps are counted in
+    batches of that size); weight decay applies to the weight matrices of linear maps
+    (``weight_decay_groups="weights"``, as the other presets).
+    """
+    from flarepp.data.lra import LRA_DATASETS, LRA_TASKS
+    spec = LRA_TASKS.get(task)
+    s = spec.settings(size)
+    tiny = size == "tiny" and spec.tiny_dataset is not None
+    dataset = spec.tiny_dataset if tiny else spec.dataset
+    limits = {**s.split_limits, **(split_limits or {})}
+    options: dict[str, Any] = dict(spec.tiny_load) if tiny else {}
+    if limits:
+        options["split_limits"] = limits
+    train = train_samples or s.train_samples
+    if train_samples is None and train and "train" in limits:
+        train = min(train, limits["train"])
+    default_root = LRA_DATASETS.entry(dataset).defaults.get("root")
+    root = data_root or (str(default_root) if default_root is not None
+                         else f"data/lra/{task}" + ("-tiny" if size == "tiny" else ""))
+    if s.schedule != "onecycle":
+        raise ValueError(f"LRA task {task!r} ({size}): schedule {s.schedule!r} is not "
+                         "available (the trainer's schedule is one-cycle)")
+    name = f"lra-{task}" + ("-tiny" if size == "tiny" else "") + \
+        ("" if mixer == "flarepp" else f"-{mixer}")
+    return RunConfig(
+        name=name, task="sequence", dataset=dataset, dataset_options=options,
+        data_root=root,
+        model={"arch": "sequence-classifier", "norm": "layernorm", **s.model_options(mixer)},
+        epochs=s.run_epochs(train, steps, batch_size), batch_size=batch_size or s.batch_size,
+        lr=s.lr,
+        weight_decay=s.weight_decay, betas=s.betas, eps=s.eps, pct_start=s.pct_start,
+        div_factor=s.div_factor, final_div_factor=s.final_div_factor,
+        momentum_cycle=s.momentum_cycle, grad_clip=s.clip_grad_norm, ema_decay=s.ema_decay,
+        precision="bf16" if s.mixed_precision else "fp32", weight_decay_groups="weights",
+        checkpoint_every=1, eval_every=1)
+
+
+def _lra_presets() -> None:
+    from flarepp.data.lra import LRA_TASKS
+    for task in LRA_TASKS.names():
+        for size, what in (("paper", "the FLARE study's LRA settings"),
+                           ("tiny", "CPU-sized, offline data where there is some")):
+            config = lra_run_config(task, size)
+            PRESETS.add(config.name, config, doc=f"LRA {task}, FLARE++: {what}")
+
+
+_lra_presets()
+
+
+# Transient advection-diffusion rollouts (task ``rollout``, flarepp.tasks.rollout) on
+# `flarepp data make advection-diffusion --resolution 16` data: the three conditioning
+# schemes of flarepp.models.conditioned at about the same parameter count (cross 130K,
+# concat 138K at C=64; AdaLN-Zero's per-block modulation is paid for with C=48: 132K).
+# One-step training (unroll=1); the SDPA scale is 1/sqrt(D) for all three.
+def _rollout_preset(name: str, conditioning: str, mixer: str, dim: int, doc: str) -> None:
+    PRESETS.add(name, RunConfig(
+        name=name, task="rollout", dataset="advection-diffusion",
+        data_root="data/advection-diffusion",
+        dataset_options=dict(n_train=64, n_test=32, history=2, patches=4, unroll=1),
+        model=dict(arch="conditioned", conditioning=conditioning, mixer=mixer, dim=dim,
+                   heads=4, blocks=3, latents=16),
+        epochs=12, batch_size=16, lr=3e-3, weight_decay=1e-4, ema_decay=0.99,
+        attn_scale="sqrt", eval_every=2, checkpoint_every=4), doc=doc)
+
+
+_rollout_preset("rollout-tiny", "cross", "flare-cross", 64,
+                "advection-diffusion rollout, Cross FLARE conditioning (CPU minutes)")
+_rollout_preset("rollout-tiny-concat", "concat", "flare", 64,
+                "advection-diffusion rollout, conditioning concatenated to every point's inputs")
+_rollout_preset("rollout-tiny-adaln", "adaln", "flare", 48,
+                "advection-diffusion rollout, AdaLN-Zero conditioning")

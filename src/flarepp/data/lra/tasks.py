@@ -10,15 +10,17 @@ Common to every run there: AdamW with betas (0.9, 0.98) and eps 1e-8, OneCycle p
 ``flare_family`` lists what the FLARE runs set differently from the other mixers (more
 heads, the latent count M, SDPA scale 1.0 where the study passes ``--attn_scale one``).
 
-``tiny`` settings are CPU-sized (minutes on one core per run), on data a machine without
-internet can make or install: generated ListOps and Pathfinder, Debian's Fashion-MNIST for
-Image. Text and Retrieval have no offline data (no package ships IMDB or AAN); their tiny
-settings exist for the real files.
+``tiny`` settings are CPU-sized (small models in FP32, the CPU's fast path; thousands of
+steps, i.e. tens of CPU-minutes per run: ``flarepp lra compare --steps`` shortens them),
+on data a machine without internet can make or install: generated ListOps and Pathfinder,
+Debian's Fashion-MNIST for Image. Text and Retrieval have no offline data (no package
+ships IMDB or AAN); their tiny settings exist for the real files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,13 @@ class LRARunSettings:
     """Model and optimisation settings of one task at one size.
 
     Model fields are those of :class:`~flarepp.models.sequence.SequenceClassifierConfig`;
-    ``steps`` or ``epochs`` (exactly one) bound the run; ``split_limits`` keeps the first
-    ``n`` samples of a split (CPU sizes of released data).
+    ``steps`` or ``epochs`` (exactly one) bound the run; ``split_limits`` keeps at most
+    ``n`` samples of a split (CPU sizes of released data). ``train_samples`` is the size of
+    the training split the steps are counted against (the release's, or the tiny data's),
+    so that :meth:`run_epochs` can turn steps into whole epochs. The optimiser and schedule
+    fields default to what every run of the reference shares (AdamW eps 1e-8; OneCycle
+    with 10 % warm-up, ``div_factor`` 1e4, ``final_div_factor`` 1e-2 and beta1 cycled
+    0.95 -> 0.85 -> 0.95, torch's ``cycle_momentum``; no EMA, ``ema_decay`` 0).
     """
 
     blocks: int
@@ -61,11 +68,41 @@ class LRARunSettings:
     betas: tuple[float, float] = (0.9, 0.98)
     mixed_precision: bool = True
     split_limits: dict[str, int] = field(default_factory=dict)
+    train_samples: int | None = None
+    eps: float = 1e-8
+    pct_start: float = 0.1
+    div_factor: float = 1e4
+    final_div_factor: float = 1e-2
+    momentum_cycle: tuple[float, float] | None = (0.85, 0.95)
+    ema_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):
             raise ValueError(f"give exactly one of steps and epochs, got steps={self.steps}, "
                              f"epochs={self.epochs}")
+        if self.steps is not None and self.train_samples is None:
+            raise ValueError("a run bounded by steps needs train_samples (the training "
+                             "split the steps are counted against)")
+
+    def run_epochs(self, train_samples: int | None = None, steps: int | None = None,
+                   batch_size: int | None = None) -> int:
+        """Whole epochs of the run: ``epochs``, or ``ceil(steps / ceil(train_samples /
+        batch_size))`` for a run bounded by steps (the last epoch is completed, so a run
+        takes at most one epoch of steps more than ``steps``). ``train_samples``, ``steps``
+        and ``batch_size`` override the table's (a smaller training split, a shorter run,
+        other batches)."""
+        steps = steps if steps is not None else self.steps
+        batch_size = batch_size or self.batch_size
+        if steps is None:
+            return self.epochs
+        n = train_samples if train_samples is not None else self.train_samples
+        if n is None:
+            raise ValueError(f"counting {steps} steps in epochs needs the training split's "
+                             "size (train_samples)")
+        if n < 1 or steps < 1:
+            raise ValueError(f"steps and train_samples must be positive, got steps={steps}, "
+                             f"train_samples={n}")
+        return math.ceil(steps / math.ceil(n / batch_size))
 
     def model_options(self, mixer: str) -> dict[str, Any]:
         """Keyword settings of the classifier for ``mixer`` (FLARE-family overrides applied)."""
@@ -129,10 +166,10 @@ LRA_TASKS.add("listops", LRATask(
     name="listops", dataset="listops",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
-                         weight_decay=1e-5),
+                         weight_decay=1e-5, train_samples=96_000),
     tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, head="linear",
                         flare_family={"attn_scale": 1.0}, steps=3_000, lr=1e-3,
-                        weight_decay=1e-5),
+                        weight_decay=1e-5, train_samples=10_000, mixed_precision=False),
     tiny_dataset="listops",
     tiny_make={"n_train": 10_000, "n_val": 1_000, "n_test": 1_000, "min_length": 50,
                "max_length": 300},
@@ -143,10 +180,11 @@ LRA_TASKS.add("text", LRATask(
     name="text", dataset="imdb",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          pooling="cls", flare_family={"latents": 128, "attn_scale": None},
-                         steps=20_000, lr=1e-5, weight_decay=1e-4),
+                         steps=20_000, lr=1e-5, weight_decay=1e-4, train_samples=25_000),
     tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, pooling="cls",
                         steps=2_000, lr=1e-3, weight_decay=1e-4,
-                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000}),
+                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000},
+                        train_samples=5_000, mixed_precision=False),
     tiny_dataset=None,
     notes="The reference runs Text with rotary position embeddings (--pos_embed rope) inside "
           "attention, which the mixer interface does not take; learned absolute positions "
@@ -158,11 +196,12 @@ LRA_TASKS.add("retrieval", LRATask(
     name="retrieval", dataset="aan", two_tower=True,
     paper=LRARunSettings(blocks=4, dim=128, heads=4, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
-                         weight_decay=1e-4),
+                         weight_decay=1e-4, train_samples=147_086),
     tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, head="linear",
                         flare_family={"attn_scale": 1.0}, steps=2_000, lr=1e-3,
                         weight_decay=1e-4,
-                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000}),
+                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000},
+                        train_samples=5_000, mixed_precision=False),
     tiny_dataset=None,
     notes="Two towers with shared weights, pooled summaries concatenated [u, v] as the "
           "reference (tower_combine='lra' gives LRA's [u, v, u*v, u-v]).",
@@ -172,11 +211,12 @@ LRA_TASKS.add("image", LRATask(
     name="image", dataset="cifar10",
     paper=LRARunSettings(blocks=3, dim=64, heads=4, ffn_ratio=2.0, latents=256,
                          flare_family={"heads": 8, "latents": 256, "attn_scale": 1.0},
-                         steps=20_000, lr=1e-3, weight_decay=5e-2),
+                         steps=20_000, lr=1e-3, weight_decay=5e-2, train_samples=45_000),
     tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32,
                         flare_family={"attn_scale": 1.0}, steps=3_000, lr=1e-3,
                         weight_decay=5e-2,
-                        split_limits={"train": 10_000, "val": 1_000, "test": 2_000}),
+                        split_limits={"train": 10_000, "val": 1_000, "test": 2_000},
+                        train_samples=10_000, mixed_precision=False),
     tiny_dataset="fashion-mnist",
     notes="Paper: grayscale CIFAR-10, 1024 tokens. Offline (tiny): Fashion-MNIST from "
           "Debian's dataset-fashion-mnist, 784 tokens; a different, easier data set.",
@@ -189,7 +229,8 @@ LRA_TASKS.add("pathfinder32", LRATask(
                          weight_decay=5e-4, clip_grad_norm=0.5, mixed_precision=False),
     tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=1.0, latents=32,
                         flare_family={"attn_scale": 1.0}, steps=3_000, lr=5e-4,
-                        weight_decay=5e-4, clip_grad_norm=0.5),
+                        weight_decay=5e-4, clip_grad_norm=0.5, train_samples=9_600,
+                        mixed_precision=False),
     tiny_dataset="pathfinder",
     tiny_make={"count": 12_000, "difficulty": "curv_baseline"},
     tiny_load={"difficulty": "curv_baseline"},
