@@ -131,9 +131,11 @@ def gradient_relative_l2_sum(pred_BNO: torch.Tensor, true_BNO: torch.Tensor,
 class FieldLoss:
     """A training loss of the field task: ``__call__`` the batch's sum of loss terms,
     ``count`` its normaliser. ``physical_targets``: whether it compares de-normalised
-    fields (then the task hands it decoded predictions and physical targets)."""
+    fields (then the task hands it decoded predictions and physical targets);
+    ``needs_grid``: whether it needs each sample's whole structured grid."""
 
     physical_targets: bool = True
+    needs_grid: bool = False
 
     def __init__(self, task: "FieldTask") -> None:
         self.task = task
@@ -187,6 +189,8 @@ class RelativeL2WithGradients(FieldLoss):
     loss (``batch_lossfun`` in github.com/vpuri3/FLARE.py, ``pdebench/__main__.py``).
     Needs a structured mesh (``grid_shape``)."""
 
+    needs_grid = True
+
     def __call__(self, pred_BNO, true_BNO, mask_BN, token_sum):
         grid = self.task.splits.train.grid_shape
         weight = self.task.config.grad_loss_weight
@@ -220,8 +224,10 @@ fixed one written in its code; here it is the training split's."""
 
 
 def resolve_loss(config: Any) -> str:
-    return REFERENCE_LOSS.get(config.dataset, "rel_l2") if config.loss == "reference" \
-        else config.loss
+    """``config.loss``, with ``reference`` replaced by the dataset's (:data:`REFERENCE_LOSS`)."""
+    if config.loss == "reference":
+        return REFERENCE_LOSS.get(config.dataset, "rel_l2")
+    return config.loss
 
 
 def resolve_input_norm(config: Any, channels: int) -> list[str]:
@@ -277,8 +283,7 @@ class FieldTask(Task):
         self.input_norm = resolve_input_norm(config, self.splits.in_dim)
         self._check_loss_data()
         # A grid loss sees whole grids: padded nodes of a masked grid stay in place, masked.
-        self.keeps_grid = isinstance(self.loss_fn, RelativeL2WithGradients) and \
-            train.mask is not None
+        self.keeps_grid = self.loss_fn.needs_grid and train.mask is not None
         self._set_normalizers(fit_input_normalizer(train.x, train.mask, self.input_norm),
                               Normalizer.fit(train.y, train.mask))
 
@@ -313,7 +318,7 @@ class FieldTask(Task):
             raise DataError(f"{where}: training sample(s) {zero[:10].tolist()} have an all-zero "
                             f"target, whose relative error (loss={self.loss_name}) is "
                             "undefined; remove them or train with loss=mse")
-        if isinstance(self.loss_fn, RelativeL2WithGradients):
+        if self.loss_fn.needs_grid:
             if train.grid_shape is None:
                 raise DataError(f"{where}: loss=rel_l2_grad needs a structured grid "
                                 f"(grid_shape), but dataset {self.config.dataset!r} has none; "
