@@ -331,3 +331,15 @@ def test_golden_darcy_tiny_curves(tmp_path):
         assert got["overrides"] == stored[name]["overrides"]
         for key in ("train_loss", "test_rel_l2_per_epoch", "test_rel_l2", "train_rel_l2"):
             np.testing.assert_allclose(got[key], stored[name][key], rtol=1e-5, err_msg=key)
+
+
+def test_gradient_loss_refuses_a_target_constant_along_an_axis():
+    """A training target whose zero-padded central differences vanish along a grid axis
+    (on the 5 x 4 grid: 1 on even rows, 0 on odd ones) has no relative gradient error:
+    refused at task build, naming the sample."""
+    splits = grid_splits()
+    rows = np.zeros((5, 4), np.float32)
+    rows[::2] = 1.0
+    splits.train.y[4] = rows.reshape(20, 1)
+    with pytest.raises(ValueError, match=r"sample\(s\) \[4\].*constant along a grid axis"):
+        FieldTask(run_config(loss="rel_l2_grad"), "unused", splits=splits)
