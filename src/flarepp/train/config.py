@@ -180,8 +180,9 @@ class RunConfig:
             allowed = {f.name for f in dataclasses.fields(mixer_cls)} - shared
             bad = sorted(set(options) - allowed)
             if bad:
+                known = ", ".join(sorted(allowed)) or "(none)"
                 raise ValueError(f"model.mixer_options key(s) {bad} unknown to mixer "
-                                 f"{mixer!r}; its options: {', '.join(sorted(allowed)) or '(none)'}")
+                                 f"{mixer!r}; its options: {known}")
             check_types(options, f"model.mixer_options ({mixer})",
                         hints=_type_hints(mixer_cls))
         MODELS.entry(arch)
