@@ -319,3 +319,20 @@ def test_block_wise_streaming_composes_with_2_rank_context_parallelism():
                 got = r[f"{mixer}/{chunk_size}"]
                 assert np.abs(got - want).max() <= 1e-10 * max(1.0, np.abs(want).max()), \
                     (mixer, chunk_size)
+
+
+def test_bench_stream_measures_both_forwards_and_their_difference():
+    """``flarepp bench stream``'s measurements on a tiny model: the worker's timed forward,
+    unchunked and streamed, and the exactness job run through a fresh interpreter, which
+    finds float32 agreement; a failure points at flarepp.bench.streaming."""
+    from flarepp.bench.streaming import _measure, stream_exactness
+    settings = dict(mixer="flarepp", in_dim=6, out_dim=4, dim=16, heads=2, latents=4,
+                    blocks=2)
+    for chunk_size in (None, 1000):
+        record = _measure({"settings": settings, "n_tokens": 6000, "chunk_size": chunk_size,
+                           "threads": 1})
+        assert record["chunk_size"] == chunk_size and record["time_s"] > 0
+        assert record["output_bytes"] == 6000 * 4 * 4
+    exact = stream_exactness(settings, 6000, 1000, threads=1)
+    assert exact["dtype"] == "torch.float32"
+    assert exact["max_abs_diff"] <= 1e-5 * max(1.0, exact["max_abs_output"])

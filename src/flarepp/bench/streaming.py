@@ -1,0 +1,191 @@
+"""Block-wise streaming inference against the unchunked forward: time, memory, exactness.
+
+Shape letters: N tokens, K chunk size, C channels.
+
+* :func:`stream_vs_unchunked`: one inference forward of a model on N random tokens,
+  unchunked and through :func:`~flarepp.distributed.stream_forward` with each chunk size,
+  each in a fresh interpreter, in interleaved rounds (the order rotates every round, so a
+  load that drifts on a shared machine hits every variant alike). Reported per round: wall
+  and CPU time, peak memory and minor page faults; the ratio of each streamed time to the
+  unchunked time of the same round, and its median over the rounds.
+* :func:`stream_large`: one streamed forward of a mesh too large for the unchunked one.
+* :func:`stream_exactness`: ``max |y_stream - y|`` against the unchunked forward.
+
+Every measurement runs in a fresh interpreter (:func:`worker_main`) that first warms the
+model up on a few thousand tokens, then times one forward under ``torch.no_grad``. Peak
+memory is the growth of the resident set (CPU) or of allocated device memory (CUDA) above
+the moment just before that forward (:class:`~flarepp.bench.memory.PeakMemory`); the model,
+the inputs and the warm-up's retained memory are below it, the hidden state, the outputs and
+the chunk's working set in it. The workers use the host allocator policy of the command
+line (:mod:`flarepp.allocator`: freed memory kept for reuse) unless ``retain_memory`` is
+off. Each record carries the load average (``os.getloadavg``) before and after, since other
+jobs may share the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from flarepp import allocator
+from flarepp.bench.memory import PeakMemory
+from flarepp.device import resolve_device, synchronize
+from flarepp.models import build_model
+
+WARMUP_TOKENS = 4096
+
+
+def _inputs(n_tokens: int, in_dim: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(1, n_tokens, in_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One forward of ``job``'s model on its N tokens (``chunk_size`` None: unchunked)."""
+    from flarepp.distributed import stream_forward
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    device = resolve_device(job.get("device", "auto"))
+    torch.manual_seed(0)
+    model = build_model(**job["settings"]).to(device).eval()
+    x = _inputs(job["n_tokens"], job["settings"]["in_dim"])
+    chunk_size = job["chunk_size"]
+
+    def forward(x_BNI: torch.Tensor, progress: bool = False) -> torch.Tensor:
+        if chunk_size is None:
+            return model(x_BNI.to(device)).cpu()
+        return stream_forward(model, x_BNI, chunk_size=chunk_size, device=device,
+                              hidden_on=job.get("hidden_on", "auto"), progress=progress)
+
+    with torch.no_grad():
+        forward(x[:, :WARMUP_TOKENS])
+        load_before = os.getloadavg()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        with PeakMemory(device) as peak:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            y = forward(x, job.get("progress", False))
+            synchronize(device)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "time_s": wall,
+            "cpu_time_s": cpu, "peak_bytes": peak.peak, "mem_method": peak.method,
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+            "output_bytes": y.numel() * y.element_size(), "threads": torch.get_num_threads(),
+            "device": str(device), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def _exactness(job: dict[str, Any]) -> dict[str, Any]:
+    """Streamed and unchunked outputs of one input, compared in this process."""
+    from flarepp.distributed import stream_forward
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    device = resolve_device(job.get("device", "auto"))
+    torch.manual_seed(0)
+    model = build_model(**job["settings"]).to(device).eval()
+    x = _inputs(job["n_tokens"], job["settings"]["in_dim"])
+    with torch.no_grad():
+        streamed = stream_forward(model, x, chunk_size=job["chunk_size"], device=device)
+        unchunked = model(x.to(device)).cpu()
+    diff = (streamed - unchunked).abs()
+    return {"n_tokens": job["n_tokens"], "chunk_size": job["chunk_size"],
+            "dtype": str(unchunked.dtype), "max_abs_diff": diff.max().item(),
+            "max_abs_output": unchunked.abs().max().item(),
+            "mean_abs_diff": diff.mean().item()}
+
+
+_JOBS = {"measure": _measure, "exactness": _exactness}
+
+
+def worker_main() -> None:
+    """Entry point of the fresh interpreter: run the JSON job in ``argv[1]``, print a JSON
+    record as the last line of stdout."""
+    policy = allocator.apply_policy()
+    job = json.loads(sys.argv[1])
+    print(json.dumps({**_JOBS[job["kind"]](job), "malloc": str(policy)}))
+
+
+def _in_fresh_interpreter(job: dict[str, Any], *, retain_memory: bool,
+                          timeout_s: float) -> dict[str, Any]:
+    """Run ``job`` through :func:`worker_main`; its stderr (progress bars) passes through."""
+    code = "from flarepp.bench.streaming import worker_main; worker_main()"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)],
+                              env=allocator.child_environment(retain_memory),
+                              stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{job['kind']} job (N={job['n_tokens']}, chunk "
+                           f"{job['chunk_size']}) ran past {timeout_s:.0f} s") from None
+    if done.returncode != 0:
+        hint = " (killed: likely out of memory)" if done.returncode == -9 else ""
+        raise RuntimeError(f"{job['kind']} job (N={job['n_tokens']}, chunk "
+                           f"{job['chunk_size']}) failed with exit code "
+                           f"{done.returncode}{hint}; its traceback is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def stream_vs_unchunked(settings: dict[str, Any], n_tokens: int, chunk_sizes: list[int], *,
+                        rounds: int = 3, threads: int | None = None, device: str = "auto",
+                        retain_memory: bool = True, timeout_s: float = 3600,
+                        on_record: Callable[[dict[str, Any]], None] | None = None
+                        ) -> dict[str, Any]:
+    """Unchunked vs streamed forwards (see the module docstring); ``records`` holds every
+    measurement, ``summary`` per chunk size the median time, peak memory and ratio.
+    ``on_record`` is called with each record as it is measured."""
+    variants: list[int | None] = [None, *chunk_sizes]
+    records = []
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for chunk_size in order:
+            job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
+                   "chunk_size": chunk_size, "threads": threads, "device": device}
+            records.append({"round": r, **_in_fresh_interpreter(
+                job, retain_memory=retain_memory, timeout_s=timeout_s)})
+            if on_record is not None:
+                on_record(records[-1])
+    by_round = {(rec["round"], rec["chunk_size"]): rec for rec in records}
+    summary = []
+    for chunk_size in variants:
+        mine = [rec for rec in records if rec["chunk_size"] == chunk_size]
+        row = {"chunk_size": chunk_size,
+               "time_s": statistics.median(rec["time_s"] for rec in mine),
+               "cpu_time_s": statistics.median(rec["cpu_time_s"] for rec in mine),
+               "peak_bytes": max(rec["peak_bytes"] for rec in mine),
+               "minor_faults": statistics.median(rec["minor_faults"] for rec in mine)}
+        ratios = [by_round[(r, chunk_size)]["time_s"] / by_round[(r, None)]["time_s"]
+                  for r in range(rounds)]
+        row["time_ratios"] = ratios
+        row["time_ratio"] = statistics.median(ratios)
+        row["cpu_time_ratio"] = statistics.median(
+            by_round[(r, chunk_size)]["cpu_time_s"] / by_round[(r, None)]["cpu_time_s"]
+            for r in range(rounds))
+        summary.append(row)
+    hidden_bytes = n_tokens * settings["dim"] * 4  # float32 h [1, N, C]
+    return {"settings": settings, "n_tokens": n_tokens, "rounds": rounds,
+            "hidden_bytes": hidden_bytes, "records": records, "summary": summary}
+
+
+def stream_large(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,
+                 threads: int | None = None, device: str = "auto", hidden_on: str = "auto",
+                 retain_memory: bool = True, progress: bool = True,
+                 timeout_s: float = 4 * 3600) -> dict[str, Any]:
+    """One streamed forward on ``n_tokens`` random tokens: time and peak memory."""
+    job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
+           "chunk_size": chunk_size, "threads": threads, "device": device,
+           "hidden_on": hidden_on, "progress": progress}
+    record = _in_fresh_interpreter(job, retain_memory=retain_memory, timeout_s=timeout_s)
+    return {**record, "hidden_bytes": n_tokens * settings["dim"] * 4}
+
+
+def stream_exactness(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,
+                     threads: int | None = None, device: str = "auto",
+                     retain_memory: bool = True, timeout_s: float = 3600) -> dict[str, Any]:
+    """``max |y_stream - y|`` on ``n_tokens`` random tokens (model's dtype, float32)."""
+    job = {"kind": "exactness", "settings": settings, "n_tokens": n_tokens,
+           "chunk_size": chunk_size, "threads": threads, "device": device}
+    return _in_fresh_interpreter(job, retain_memory=retain_memory, timeout_s=timeout_s)

@@ -1,0 +1,115 @@
+"""``flarepp bench stream``: block-wise streaming inference vs the unchunked forward.
+
+Adds ``stream`` under the shared ``flarepp bench`` command (:mod:`flarepp.cli.bench`); the
+measurements are :mod:`flarepp.bench.streaming`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def _size(text: str) -> int:
+    from flarepp.bench.scaling import parse_size
+    try:
+        value = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    return [_size(t) for t in text.split(",") if t.strip()]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:10.1f}"
+
+
+def _bench_stream(args: argparse.Namespace) -> int:
+    from flarepp.bench import streaming
+    from flarepp.io import atomic_write_json as write_json
+    settings = dict(mixer=args.mixer, in_dim=args.in_dim, out_dim=args.out_dim, dim=args.dim,
+                    heads=args.heads, latents=args.latents, blocks=args.blocks)
+    common = dict(threads=args.threads, device=args.device,
+                  retain_memory=not args.system_malloc)
+    print(f"model {settings}; load average {os.getloadavg()}")
+    result: dict = {"settings": settings}
+    if args.n:
+        def show(r):
+            print(f"  round {r['round']} chunk {r['chunk_size'] or 'none'}: {r['time_s']:.2f} s "
+                  f"({r['cpu_time_s']:.2f} s CPU), peak {_mib(r['peak_bytes']).strip()} MiB, "
+                  f"load {r['load_before'][0]:.1f}", flush=True)
+
+        out = streaming.stream_vs_unchunked(settings, args.n, args.chunk_size,
+                                            rounds=args.rounds, on_record=show, **common)
+        result["compare"] = out
+        print(f"\nN={args.n}, {args.rounds} interleaved rounds; hidden state "
+              f"{_mib(out['hidden_bytes']).strip()} MiB")
+        print("     chunk   time [s]  CPU [s]  peak [MiB]  faults   time ratio (rounds)")
+        for row in out["summary"]:
+            ratios = ", ".join(f"{r:.2f}" for r in row["time_ratios"])
+            print(f"{row['chunk_size'] or 'none':>10} {row['time_s']:10.2f} "
+                  f"{row['cpu_time_s']:8.2f} {_mib(row['peak_bytes'])} "
+                  f"{row['minor_faults']:8.0f}   {row['time_ratio']:.2f} ({ratios})")
+        print("load average per record: " + "; ".join(
+            f"{r['chunk_size'] or 'none'}: {r['load_before'][0]:.1f}->{r['load_after'][0]:.1f}"
+            for r in out["records"]))
+    if args.exact_n:
+        rec = streaming.stream_exactness(settings, args.exact_n, args.chunk_size[0], **common)
+        result["exactness"] = rec
+        print(f"\nexactness at N={args.exact_n}, chunk {rec['chunk_size']} ({rec['dtype']}): "
+              f"max |stream - unchunked| = {rec['max_abs_diff']:.3e} "
+              f"(max |y| = {rec['max_abs_output']:.3e})")
+    if args.large_n:
+        rec = streaming.stream_large(settings, args.large_n, args.chunk_size[0],
+                                     hidden_on=args.hidden_on, **common)
+        result["large"] = rec
+        print(f"\nstreamed N={args.large_n} in chunks of {rec['chunk_size']}: "
+              f"{rec['time_s']:.1f} s ({rec['cpu_time_s']:.1f} s CPU), peak "
+              f"{_mib(rec['peak_bytes']).strip()} MiB (hidden state "
+              f"{_mib(rec['hidden_bytes']).strip()} MiB), {rec['minor_faults']} minor faults; "
+              f"load {rec['load_before'][0]:.1f} -> {rec['load_after'][0]:.1f}; "
+              f"allocator {rec['malloc']}")
+    if args.json:
+        write_json(Path(args.json), result)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.bench import bench_subparsers
+    p = bench_subparsers(sub).add_parser(
+        "stream", help="block-wise streaming inference: time, peak memory and exactness "
+                       "against the unchunked forward",
+        description="Each measurement is one forward in a fresh interpreter. --n: unchunked "
+                    "vs streamed at each --chunk-size, in interleaved rounds; --exact-n: "
+                    "max |streamed - unchunked|; --large-n: one streamed forward alone.")
+    p.add_argument("--mixer", default="flarepp")
+    p.add_argument("--in-dim", type=int, default=6)
+    p.add_argument("--out-dim", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128, help="channels C")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--latents", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--n", type=_size, default=None,
+                   help="tokens for the timed comparison (k = 1024, M = 1048576), e.g. 256k")
+    p.add_argument("--chunk-size", type=_sizes, default=[16384],
+                   help="comma-separated chunk sizes; the first serves --exact-n and --large-n")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--exact-n", type=_size, default=None, help="tokens for the exactness check")
+    p.add_argument("--large-n", type=_size, default=None,
+                   help="tokens for one streamed forward alone (e.g. 8800000)")
+    p.add_argument("--hidden-on", choices=["auto", "device", "host", "memmap"], default="auto",
+                   help="where --large-n keeps the hidden state (default auto)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:K")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="CPU: glibc's default allocator in the workers instead of the "
+                        "retained-memory policy of flarepp.allocator")
+    p.add_argument("--json", help="also write every record here")
+    p.set_defaults(func=_bench_stream)
