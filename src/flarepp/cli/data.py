@@ -34,11 +34,21 @@ def _make(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from err
     for path in paths:
         print(f"wrote {path}")
+    if args.dataset in NEXT_STEP:
+        print(NEXT_STEP[args.dataset].format(out=args.out))
+        return 0
     options = f"n_train={args.train}, n_test={args.test}"
     if args.dataset == "darcy":
         options += f", resolution={resolution}"
     print(f"load with flarepp.data.load_dataset({args.dataset!r}, {str(args.out)!r}, {options})")
     return 0
+
+
+NEXT_STEP = {
+    "surface-flow": "train with: flarepp train drivaerml-tiny --data {out}   (task 'surface', "
+                    "dataset 'drivaerml' with the split file {out}/split.json)",
+}
+"""What to run on a generator's files, where it is not ``flarepp.data.load_dataset``."""
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -70,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.add_argument("--train", type=_positive, default=1000, help="training samples")
     make.add_argument("--test", type=_positive, default=200, help="test samples")
     make.add_argument("--resolution", type=_positive, default=None,
-                      help="grid points per side (darcy; default 85)")
+                      help="darcy: grid points per side (default 85); surface-flow: cells "
+                           "per surface (default 5000); advection-diffusion: grid points per "
+                           "side (default 32); elasticity: fixed at 972 points")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--overwrite", action="store_true", help="replace existing files")
     make.add_argument("--quiet", action="store_true", help="no progress bar")

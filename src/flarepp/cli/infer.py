@@ -66,6 +66,9 @@ def _infer(args: argparse.Namespace) -> int:
         raise CLIError(f"--chunk-size must be positive, got {args.chunk_size}")
     check_output(args.out, directory=False)
     tm = load_trained_model(args.checkpoint)
+    cases = _task_cases(args, tm)
+    if cases is not None:
+        return _infer_cases(args, tm, cases)
     x, y, mask = _inputs(args, tm)
     if x.shape[-1] != tm.model.config.in_dim:
         raise CLIError(f"{args.data}: inputs have {x.shape[-1]} channels, the checkpoint's "
@@ -90,6 +93,57 @@ def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _task_cases(args: argparse.Namespace, tm):
+    """The checkpoint's task's own reader of ``--data`` when its samples are meshes of
+    different sizes read one at a time (a task with ``inference_cases``: the surface task),
+    else None (the fields task's loaders, or an ``.npz`` of inputs)."""
+    from flarepp.tasks import TASKS
+    task = TASKS.get(tm.config.task)
+    if not hasattr(task, "inference_cases") or args.dataset \
+            or Path(args.data).suffix == ".npz":
+        return None
+    return task.inference_cases(tm.config, args.data, args.split)
+
+
+def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
+    """Case by case, each written to the ``.npz`` as it is predicted (:mod:`flarepp.tasks.
+    surface`: ``predict_cases``, ``write_case_predictions``)."""
+    from flarepp.device import amp_dtype, resolve_device
+    from flarepp.distributed import context_parallel
+    from flarepp.distributed.mesh import launch
+    from flarepp.tasks.surface import predict_cases, write_case_predictions
+    device = resolve_device(args.device)
+    model = tm.model.to(device)
+    if args.compile:
+        from flarepp.models.backbone import compile_model
+        compile_model(model)
+    how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
+
+    def results(cp):
+        for r in predict_cases(model, cases, tm.x_norm, tm.y_norm, chunk_size=args.chunk_size,
+                               device=device, amp_dtype=amp_dtype(tm.config.precision), cp=cp):
+            print(f"{r['name']}: {r['cells']} cells in {r['seconds']:.1f} s ({how}), nmse "
+                  f"{r['nmse']:.4g}%, relative L2 {100 * r['rel_l2']:.3f}%, peak host memory "
+                  f"so far {r['peak_gib']:.2f} GiB", flush=True)
+            yield r
+
+    if not args.context_parallel:
+        done = write_case_predictions(Path(args.out), results(None))
+    else:
+        with launch(device, context_parallel=0, timeout_s=args.timeout) as plan:
+            with context_parallel(model, plan.cp_group) as cp:
+                if not plan.is_writer:
+                    for _ in predict_cases(model, cases, tm.x_norm, tm.y_norm, cp=cp,
+                                           chunk_size=args.chunk_size, device=device,
+                                           amp_dtype=amp_dtype(tm.config.precision)):
+                        pass
+                    return 0
+                done = write_case_predictions(Path(args.out), results(cp))
+    print(f"wrote {args.out}: {len(done)} case(s), mean nmse "
+          f"{sum(r['nmse'] for r in done) / max(len(done), 1):.4g}%")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("infer", help="predictions of a checkpoint on whole meshes "
                        "(streamed with --chunk-size, token-sharded with --context-parallel)")
@@ -98,7 +152,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the checkpoint's dataset directory, or an .npz of inputs x [S, N, in] "
                         "(and mask [S, N]) without targets")
     p.add_argument("--out", required=True, help="output .npz: pred [S, N, out] "
-                   "(de-normalised), rel_l2 [S] when targets are present, mask")
+                   "(de-normalised), rel_l2 [S] when targets are present, mask; for a "
+                   "surface checkpoint pred_<run> [N, 4] per run, cases, rel_l2 and nmse")
     p.add_argument("--split", choices=["test", "train"], default="test")
     p.add_argument("--dataset", help="read --data with this registered loader instead of the "
                    "checkpoint's (e.g. npz)")

@@ -15,6 +15,7 @@ from flarepp.tasks import fields  # noqa: F401  (registers "fields")
 from flarepp.tasks import language  # noqa: F401  (registers "lm" and dataset "text-files")
 from flarepp.tasks import rollout  # noqa: F401  (registers "rollout", dataset "advection-diffusion")
 from flarepp.tasks import sequence  # noqa: F401  (registers "sequence" and the LRA datasets)
+from flarepp.tasks import surface  # noqa: F401  (registers "surface", dataset "drivaerml")
 
 
 def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:

@@ -122,9 +122,25 @@ class Task(abc.ABC):
     def check_model(self, model_config: dict[str, Any]) -> None:
         """Raise a sentence if a model of ``model_config`` cannot take this task's data."""
 
-    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
-                      ) -> list[Path]:
-        """Files written from the final evaluation of ``split`` (e.g. predictions)."""
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation batch (a task whose samples are whole large meshes may
+        want one at a time)."""
+        return max(self.config.batch_size, 4)
+
+    def cases_to_predict(self, split: str, records: dict[str, np.ndarray]) -> list[int]:
+        """Samples of ``split`` whose full predictions :meth:`write_outputs` needs although
+        the records keep only small per-sample numbers (e.g. the case a figure shows).
+
+        The trainer predicts them again after the final evaluation, on every rank (so
+        context parallelism works), and hands ``write_outputs`` the model's raw outputs
+        as ``predictions={index: [N, O] numpy array}``; none by default."""
+        return []
+
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
+                      predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
+        """Files written from the final evaluation of ``split`` (e.g. predictions);
+        ``predictions`` is passed only to a task that asks for cases
+        (:meth:`cases_to_predict`)."""
         return []
 
     @classmethod

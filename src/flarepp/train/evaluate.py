@@ -63,7 +63,7 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
         context_parallel(model, parallel.cp_group)
     metrics: dict[str, Any] = {}
     for split in splits or task.eval_splits:
-        result, _ = engine.evaluate(model, split, max(config.batch_size, 4))
+        result, _ = engine.evaluate(model, split, task.eval_batch_size())
         metrics[f"{split}_{task.headline}"] = result[task.headline]
         if "zero_target_samples" in result:
             metrics[f"{split}_zero_target_samples"] = result["zero_target_samples"]

@@ -179,8 +179,8 @@ _lra_presets()
 
 # Transient advection-diffusion rollouts (task ``rollout``, flarepp.tasks.rollout) on
 # `flarepp data make advection-diffusion --resolution 16` data: the three conditioning
-# schemes of flarepp.models.conditioned at about the same parameter count (cross 130K,
-# concat 138K at C=64; AdaLN-Zero's per-block modulation is paid for with C=48: 132K).
+# schemes of flarepp.models.conditioned at about the same parameter count (cross 130.2K,
+# concat 131.6K at C=64; AdaLN-Zero's per-block modulation is paid for with C=48: 127.4K).
 # One-step training (unroll=1); the SDPA scale is 1/sqrt(D) for all three.
 def _rollout_preset(name: str, conditioning: str, mixer: str, dim: int, doc: str) -> None:
     PRESETS.add(name, RunConfig(
@@ -199,3 +199,39 @@ _rollout_preset("rollout-tiny-concat", "concat", "flare", 64,
                 "advection-diffusion rollout, conditioning concatenated to every point's inputs")
 _rollout_preset("rollout-tiny-adaln", "adaln", "flare", 48,
                 "advection-diffusion rollout, AdaLN-Zero conditioning")
+
+
+# Full-surface DrivAerML (task ``surface``, flarepp.tasks.surface; paper Sec. 4.2 and C.1):
+# one FLARE++ preset per depth B and latent budget M of the paper's grid (Table 7's backbone,
+# FP16 with RMSNorm, weight decay 1e-4, one geometry and 100K fresh cells per step, 500
+# epochs; the test value on every cell of every test car, scored every 100 epochs and at the
+# end). `--set model.mixer=flare` gives FLARE; `flarepp drivaerml pareto` trains the grid of
+# both and AB-UPT with 512 anchors (Figure 5).
+def _surface_presets() -> None:
+    from flarepp.paper import DRIVAERML_FULL as full
+    for blocks in full.blocks:
+        for latents in full.latents:
+            name = f"drivaerml-b{blocks}-m{latents}"
+            PRESETS.add(name, RunConfig(
+                name=name, task="surface", dataset="drivaerml", data_root="data/drivaerml",
+                dataset_options=dict(cells_per_step=full.cells_per_step),
+                model=dict(mixer="flarepp", dim=TABLE7["dim"], heads=TABLE7["heads"],
+                           blocks=blocks, latents=latents, norm=full.norm),
+                epochs=full.epochs, batch_size=full.batch_size,
+                weight_decay=full.weight_decay, precision=full.precision, eval_every=100,
+                checkpoint_every=10),
+                doc=f"full-surface DrivAerML, FLARE++ B={blocks} M={latents} (Sec. 4.2, C.1)")
+    # CPU-sized: `flarepp data make surface-flow --out data/surface-flow --train 32 --test 8
+    # --resolution 3000` surfaces, 1024 fresh cells per step, a 2-block C=64 FLARE++ in FP32
+    # with RMSNorm (the paper's norm; 16-bit autocast is slow on CPUs); minutes on 2 cores.
+    PRESETS.add("drivaerml-tiny", RunConfig(
+        name="drivaerml-tiny", task="surface", dataset="drivaerml",
+        data_root="data/surface-flow",
+        dataset_options=dict(split_file="split.json", cells_per_step=1024),
+        model=dict(mixer="flarepp", dim=64, heads=4, blocks=2, latents=16, norm="rmsnorm"),
+        epochs=60, batch_size=1, lr=3e-3, weight_decay=full.weight_decay, ema_decay=0.99,
+        eval_every=10, checkpoint_every=10),
+        doc="full-surface task on generated surface-flow surfaces (CPU minutes)")
+
+
+_surface_presets()

@@ -1,0 +1,103 @@
+"""``flarepp drivaerml prepare|pareto|report``: the full-surface task's data and Figure 5."""
+
+from __future__ import annotations
+
+import argparse
+
+from flarepp.cli import CLIError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from flarepp.tasks.surface import load_drivaerml
+    data = load_drivaerml(args.data, split_file=args.split_file, cache_dir=args.cache_dir,
+                          test_split=args.test_split)
+    data.validate()
+    splits = ["train", args.test_split]
+    data.surfaces.prepare(splits, progress=not args.quiet)
+    stats = data.surfaces.statistics("train", progress=not args.quiet)
+    print(f"converted {sum(len(data.surfaces.runs(s)) for s in splits)} runs of {splits} into "
+          f"{data.surfaces.cache_dir}; training statistics over {stats.n_cells} cells of "
+          f"{stats.n_runs} runs: mean {stats.field_mean}, std {stats.field_std}")
+    return 0
+
+
+def _pareto(args: argparse.Namespace) -> int:
+    from flarepp.experiments.pareto import (ParetoSpec, open_pareto, pareto_points,
+                                            run_pareto, write_report)
+    if args.preset is None:
+        if args.set or args.data:
+            raise CLIError("--set and --data describe a new study: give its PRESET")
+        spec = open_pareto(args.out, None)
+    else:
+        from flarepp.train import get_preset
+        base = get_preset(args.preset, args.set or [])
+        if base.task != "surface":
+            raise CLIError(f"preset {args.preset!r} is not a surface-task preset (try "
+                           "drivaerml-tiny or drivaerml-b2-m64)")
+        points = pareto_points(args.mixers.split(","), args.blocks, args.latents, args.seeds,
+                               args.anchors)
+        spec = open_pareto(args.out, ParetoSpec(base, points, str(args.data or base.data_root)))
+    done = run_pareto(spec, args.out, log=(lambda _: None) if args.quiet else print)
+    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed, "
+          f"{len(done['skipped'])} held by other processes")
+    for path in write_report(args.out).values():
+        print(path)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flarepp.experiments.pareto import write_report
+    for path in write_report(args.directory).values():
+        print(path)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.paper import DRIVAERML_FULL as full
+    parser = sub.add_parser("drivaerml", help="full-surface DrivAerML: convert the files, "
+                                              "train and plot error against cost (Figure 5)")
+    actions = parser.add_subparsers(dest="drivaerml_command", metavar="ACTION", required=True)
+
+    p = actions.add_parser("prepare", help="convert every .vtp of the split to the "
+                                           "memory-mapped cache and compute the statistics")
+    p.add_argument("--data", required=True, help="directory of run_<i>/boundary_<i>.vtp")
+    p.add_argument("--split-file", help="JSON of run ids (default: the paper's split)")
+    p.add_argument("--cache-dir", help="where converted arrays go (default DATA/.flarepp_cache)")
+    p.add_argument("--test-split", choices=["test", "val"], default="test")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_prepare)
+
+    p = actions.add_parser("pareto", help="train the depth x latent grid of FLARE, FLARE++ "
+                                          "and AB-UPT and report error against cost")
+    p.add_argument("preset", nargs="?", help="a surface preset (drivaerml-tiny, "
+                   "drivaerml-b2-m64, ...); omit to continue the study in --out")
+    p.add_argument("--out", required=True, help="the study's directory")
+    p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
+    p.add_argument("--mixers", default="flare,flarepp,abupt",
+                   help="comma-separated mixers (default flare,flarepp,abupt)")
+    p.add_argument("--blocks", type=_ints, default=list(full.blocks),
+                   help="depths B (default 2,4,8)")
+    p.add_argument("--latents", type=_ints, default=list(full.latents),
+                   help="latent budgets M of FLARE and FLARE++ (default 64,128,256)")
+    p.add_argument("--anchors", type=int, default=full.abupt_anchors,
+                   help="AB-UPT's anchors at every depth (default 512, Table 9)")
+    p.add_argument("--seeds", type=_ints, default=[0], help="seeds (default 0)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override the preset for every run (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no per-run lines")
+    p.set_defaults(func=_pareto)
+
+    p = actions.add_parser("report", help="results.csv, report.md and fig5_cost_error.png "
+                                          "of a study")
+    p.add_argument("directory")
+    p.set_defaults(func=_report)

@@ -1,0 +1,532 @@
+"""Car-surface pressure and wall shear on the full mesh: the DrivAerML task (paper Sec. 4.2, C.1).
+
+Shape letters: B batch (one geometry per step), N cells of a surface, I = 6 input and
+O = 4 output channels.
+
+Data (dataset ``drivaerml``, :func:`load_drivaerml`): ``root/run_<i>/boundary_<i>.vtp`` with
+the kinematic pressure and wall-shear cell arrays, read through
+:class:`~flarepp.data.drivaerml.DrivAerMLSurfaces` (memory-mapped cache, a split file of run
+ids): the released DrivAerML files (Ashton et al. 2024) or those of ``flarepp data make
+surface-flow``. ``test_split`` says which split is scored, ``test`` or ``val``.
+
+Inputs per cell (C.1): its centre scaled to the training split's bounding box,
+``(c - min) / (max - min)`` per axis, and its unit normal (6 channels). Targets: ``(p_s, tau_x,
+tau_y, tau_z)`` standardised per channel by the mean and std over every training cell. Both
+maps are per-channel ``(a - shift) / scale`` (:class:`~flarepp.data.Normalizer`; the normals'
+shift 0 and scale 1), stored in checkpoints as the ``x`` and ``y`` normalisers.
+
+Loss and metric (C.1): the MSE of the standardised channels averaged over cells and channels,
+times 100 (``nmse``, in %). In the loss convention of :mod:`flarepp.tasks.base` the loss is
+the sum ``100 sum (y_hat - y)^2`` over the batch's real cells and channels with count ``4 x
+real cells``, both summed over the tokens through ``token_sum``, so context parallelism
+gives the single-process value.
+
+Training (C.1): each item is one geometry and a uniform subset of ``cells_per_step`` of its
+cells drawn without replacement by ``numpy.random.default_rng(seed)`` (:func:`subset_cells`);
+the trainer hands every sample a fresh seed every epoch, so each step sees a new subset. A
+surface with fewer cells is taken whole.
+
+Evaluation: every cell of every surface of the scored split, one surface per batch; the
+engine streams it in chunks (``eval_chunk_size``, :mod:`flarepp.distributed.streaming`) or
+splits it over context-parallel ranks. A car's record is its per-channel sum of squared
+errors and its cell count, nothing per cell; its metric ``100 sum e^2 / (4 N)`` is averaged
+over the cars (and per channel likewise). After training, the case the paper would show in
+Figures 13-14 (the median-error car of the first 10) is predicted again and written, in
+physical units, to ``surface_case.npz``; ``flarepp plot RUN`` renders it with
+:mod:`flarepp.plots3d`. ``surface_errors.json`` lists every car's errors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from flarepp.data import DATASETS, DataError, Normalizer, load_dataset
+from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
+                                    WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
+from flarepp.io import atomic_write, atomic_write_json
+from flarepp.models import build_model
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, pad_stack
+from flarepp.tasks.registry import TASKS
+
+DATASET = "drivaerml"
+TEST_SPLITS = ("test", "val")
+IN_CHANNELS, OUT_CHANNELS = 6, len(FIELD_NAMES)
+METRIC_SCALE = 100.0                # the metric is in %
+FIGURE_SUBSET = 10                  # Figures 13-14: the median case of the first 10 test cars
+CASE_FILE = "surface_case.npz"
+ERRORS_FILE = "surface_errors.json"
+CURVES_FILE = "curves.png"
+
+
+# ---------------------------------------------------------------------------------------------
+# the dataset
+
+def check_options(*, test_split: str, cells_per_step: int, pressure_array: str,
+                  wall_shear_array: str) -> None:
+    """Raise a ``ValueError`` naming the ``drivaerml`` option whose value is unusable."""
+    if test_split not in TEST_SPLITS:
+        raise ValueError(f"dataset_options.test_split must be one of {', '.join(TEST_SPLITS)}"
+                         f" (the split that is scored), got {test_split!r}")
+    if isinstance(cells_per_step, bool) or not isinstance(cells_per_step, int) \
+            or cells_per_step < 1:
+        raise ValueError(f"dataset_options.cells_per_step must be a positive integer (cells "
+                         f"drawn per training step), got {cells_per_step!r}")
+    for key, name in (("pressure_array", pressure_array),
+                      ("wall_shear_array", wall_shear_array)):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"dataset_options.{key} must name a cell array of the .vtp "
+                             f"files, got {name!r}")
+
+
+def resolve_split_file(root: Path, split_file: str | None) -> Path | None:
+    """``None`` (the paper's split, shipped with the package), or ``split_file``: a relative
+    path is looked for in the data directory first, then in the working directory."""
+    if split_file is None:
+        return None
+    path = Path(split_file).expanduser()
+    if not path.is_absolute() and (root / path).is_file():
+        return root / path
+    if not path.is_file():
+        raise DataError(f"split file {split_file!r} found neither in {str(root)!r} nor in the "
+                        "working directory")
+    return path
+
+
+@dataclass
+class SurfaceData:
+    """The ``drivaerml`` dataset: the surfaces, the scored split and the cells per step."""
+
+    surfaces: DrivAerMLSurfaces
+    test_split: str
+    cells_per_step: int
+
+    def runs(self, split: str) -> list[str]:
+        """Run ids of the task's ``train`` split or its ``test`` split (``test_split``)."""
+        if split == "train":
+            return self.surfaces.runs("train")
+        if split == "test":
+            return self.surfaces.runs(self.test_split)
+        raise ValueError(f"unknown split {split!r}; the surface task has 'train' and 'test' "
+                         f"(the split file's {self.test_split!r})")
+
+    def validate(self) -> "SurfaceData":
+        """Both splits list runs, and every listed run has its boundary file."""
+        for split, name in (("train", "train"), ("test", self.test_split)):
+            if not self.runs(split):
+                raise DataError(f"{self.surfaces.split_file}: split {name!r} lists no runs")
+        self.surfaces.check_layout(("train", self.test_split))
+        return self
+
+
+def load_drivaerml(root: Path, *, split_file: str | None = None, cache_dir: str | None = None,
+                   pressure_array: str = PRESSURE_ARRAY,
+                   wall_shear_array: str = WALL_SHEAR_ARRAY, test_split: str = "test",
+                   cells_per_step: int = 100_000) -> SurfaceData:
+    """The full-surface DrivAerML files under ``root`` (module docstring).
+
+    ``split_file``: JSON of run ids (default: the paper's split, Alkin et al. 2025; a
+    relative path is read from ``root`` first); ``cache_dir``: where converted arrays go
+    (default ``root/.flarepp_cache``); ``pressure_array`` and ``wall_shear_array``: the cell
+    arrays read; ``test_split``: ``test`` or ``val``; ``cells_per_step``: cells drawn from the
+    geometry of each training step (100K in the paper).
+    """
+    check_options(test_split=test_split, cells_per_step=cells_per_step,
+                  pressure_array=pressure_array, wall_shear_array=wall_shear_array)
+    root = Path(root)
+    surfaces = DrivAerMLSurfaces(root, split_file=resolve_split_file(root, split_file),
+                                 cache_dir=cache_dir, pressure_array=pressure_array,
+                                 wall_shear_array=wall_shear_array)
+    return SurfaceData(surfaces, test_split, cells_per_step)
+
+
+DATASETS.add(DATASET, load_drivaerml,
+             doc="full-surface DrivAerML: run_<i>/boundary_<i>.vtp, 6 inputs -> 4 fields "
+                 "(surface task)")
+
+
+def subset_cells(n_cells: int, size: int, seed: int) -> np.ndarray:
+    """``size`` distinct cell indices out of ``n_cells``, uniform without replacement, drawn
+    by ``default_rng(seed)``, in increasing order (the set is what is drawn; the order only
+    makes memory-mapped reads sequential). ``size >= n_cells`` gives every cell."""
+    if size >= n_cells:
+        return np.arange(n_cells)
+    return np.sort(np.random.default_rng(seed).choice(n_cells, size=size, replace=False))
+
+
+def input_normalizer(stats: SurfaceStatistics) -> Normalizer:
+    """Centres to the training bounding box (``(c - min) / (max - min)``; a flat axis is
+    only shifted), normals as they are."""
+    low = np.asarray(stats.bbox_min, np.float64)
+    extent = np.asarray(stats.bbox_max, np.float64) - low
+    extent = np.where(extent > 0, extent, 1.0)
+    return Normalizer(np.concatenate([low, np.zeros(3)]).astype(np.float32),
+                      np.concatenate([extent, np.ones(3)]).astype(np.float32))
+
+
+def output_normalizer(stats: SurfaceStatistics) -> Normalizer:
+    """Per-channel standardisation by the training mean and (population) std; a channel
+    that is constant over the training cells is centred only."""
+    std = np.asarray(stats.field_std, np.float64)
+    return Normalizer(np.asarray(stats.field_mean, np.float32),
+                      np.where(std > 0, std, 1.0).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# the task
+
+@TASKS.register("surface", doc="car surfaces (DrivAerML): 4-channel normalised MSE on "
+                               "every cell, 100K cells per step")
+class SurfaceTask(Task):
+    """Pressure and wall shear at every cell of a car surface from its centre and normal."""
+
+    name = "surface"
+    headline = "nmse"
+    lower_is_better = True
+    token_keys = ("x", "y", "mask")
+    eval_splits = ("test",)
+
+    def __init__(self, config: Any, data_root: str | Path, *,
+                 splits: SurfaceData | None = None) -> None:
+        super().__init__(config, data_root)
+        self.data = splits or load_dataset(config.dataset, self.data_root,
+                                           **config.dataset_options)
+        self.statistics = self.data.surfaces.statistics("train", progress=False)
+        self.x_norm = input_normalizer(self.statistics)
+        self.y_norm = output_normalizer(self.statistics)
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """The dataset is ``drivaerml`` with usable options; the loss and the input and
+        output maps are the paper's (C.1), so ``loss`` and ``input_norm`` stay
+        ``reference``."""
+        if config.dataset != DATASET:
+            raise ValueError(f"task surface reads dataset {DATASET!r}, got {config.dataset!r}")
+        options = {"test_split": "test", "cells_per_step": 100_000,
+                   "pressure_array": PRESSURE_ARRAY, "wall_shear_array": WALL_SHEAR_ARRAY,
+                   **{k: v for k, v in config.dataset_options.items()
+                      if k in ("test_split", "cells_per_step", "pressure_array",
+                               "wall_shear_array")}}
+        check_options(**options)
+        for key in ("loss", "input_norm"):
+            if getattr(config, key) != "reference":
+                raise ValueError(f"task surface trains on the paper's normalised 4-channel MSE "
+                                 f"with bounding-box inputs (Sec. C.1); leave {key} at "
+                                 f"'reference', got {getattr(config, key)!r}")
+
+    # -- data ----------------------------------------------------------------------------
+    def run_id(self, split: str, index: int) -> str:
+        return self.data.runs(split)[index]
+
+    def num_samples(self, split: str) -> int:
+        return len(self.data.runs(split))
+
+    def get(self, split: str, index: int, seed: int, *, training: bool = False) -> Item:
+        """Normalised inputs ``x [n, 6]`` and standardised targets ``y [n, 4]`` of a
+        ``cells_per_step`` subset drawn with ``seed`` (training) or of every cell."""
+        run = self.data.surfaces.load(self.run_id(split, index))
+        if training:
+            cells = subset_cells(run.n_cells, self.data.cells_per_step, seed)
+            centres, normals, fields = run.centres[cells], run.normals[cells], run.fields[cells]
+        else:
+            centres, normals, fields = run.centres, run.normals, run.fields
+        x = self.x_norm.encode(np.concatenate([centres, normals], axis=1))
+        y = self.y_norm.encode(np.asarray(fields))
+        return {"index": np.int64(index), "x": np.ascontiguousarray(x, np.float32),
+                "y": np.ascontiguousarray(y, np.float32)}
+
+    def item_size(self, item: Item) -> int:
+        return int(item["x"].shape[0])
+
+    def collate(self, items: list[Item]) -> Batch:
+        lengths = [self.item_size(it) for it in items]
+        n = max(lengths)
+        batch = {"x": torch.from_numpy(pad_stack([it["x"] for it in items], n)),
+                 "y": torch.from_numpy(pad_stack([it["y"] for it in items], n)),
+                 "index": torch.tensor([int(it["index"]) for it in items])}
+        if len(set(lengths)) > 1:
+            batch["mask"] = torch.from_numpy(np.arange(n)[None, :]
+                                             < np.asarray(lengths)[:, None])
+        return batch
+
+    def eval_batch_size(self) -> int:
+        """One whole surface per evaluation batch (C.1: one geometry per forward)."""
+        return 1
+
+    # -- model ---------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        return build_model(in_dim=IN_CHANNELS, out_dim=OUT_CHANNELS,
+                           **self.config.model_kwargs())
+
+    # -- loss and metrics ----------------------------------------------------------------
+    @staticmethod
+    def _squared_errors(pred_BNO: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """``(y_hat - y)^2`` at least in float32, zero at padding, ``[B, N, O]``."""
+        pred = pred_BNO.to(torch.promote_types(pred_BNO.dtype, torch.float32))
+        err = (pred - batch["y"].to(pred.dtype)).square()
+        mask = batch.get("mask")
+        return err if mask is None else err * mask[..., None]
+
+    def loss(self, pred: torch.Tensor, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
+        """``100 sum (y_hat - y)^2`` over the batch's real cells and channels."""
+        return METRIC_SCALE * token_sum(self._squared_errors(pred, batch).sum())
+
+    def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
+        """Real cells x 4 channels of the batch (summed over the token shards)."""
+        y, mask = batch["y"], batch.get("mask")
+        cells = (torch.tensor(float(y.shape[0] * y.shape[1]), device=y.device)
+                 if mask is None else mask.sum().float())
+        return token_sum(cells * y.shape[-1])
+
+    def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
+        """Per car: the sum of squared standardised errors per channel (float64) and the
+        number of cells."""
+        err = self._squared_errors(pred.double(), batch)
+        mask = batch.get("mask")
+        cells = (torch.full((err.shape[0],), err.shape[1]) if mask is None
+                 else mask.sum(1))
+        return {"index": batch["index"].cpu().numpy(), "sse": err.sum(1).cpu().numpy(),
+                "cells": cells.cpu().numpy().astype(np.int64)}
+
+    def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
+        """``nmse``: the mean over cars of each car's ``100 x`` mean squared standardised
+        error over its cells and the 4 channels; ``nmse_channels`` per channel."""
+        per_channel = case_channel_errors(records)
+        per_case = per_channel.mean(axis=1)
+        runs = self.data.runs(split)
+        return {"nmse": float(per_case.mean()),
+                "nmse_channels": {name: float(v)
+                                  for name, v in zip(FIELD_NAMES, per_channel.mean(axis=0))},
+                "per_sample": per_case.tolist(),
+                "runs": [runs[int(i)] for i in records["index"]],
+                "cells": int(records["cells"].sum())}
+
+    # -- state and outputs ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"x": self.x_norm.state_dict(), "y": self.y_norm.state_dict(),
+                "statistics": self.statistics.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.x_norm = Normalizer.from_state_dict(state["x"])
+        self.y_norm = Normalizer.from_state_dict(state["y"])
+        if "statistics" in state:
+            self.statistics = SurfaceStatistics.from_dict(state["statistics"])
+
+    def describe_data(self) -> dict[str, Any]:
+        s = self.data.surfaces
+        return {"dataset": DATASET, "root": str(s.root), "split_file": str(s.split_file),
+                "test_split": self.data.test_split, "cells_per_step": self.data.cells_per_step,
+                "field_names": list(FIELD_NAMES), "units": FIELD_UNITS,
+                "arrays": [s.pressure_array, s.wall_shear_array],
+                "runs": {"train": self.num_samples("train"), "test": self.num_samples("test")},
+                "statistics": self.statistics.to_dict()}
+
+    def data_identity(self) -> dict[str, Any]:
+        """The training runs' ids and cell counts and the training statistics (bounding box,
+        mean and std over every cell, in float64): a content fingerprint that costs no pass
+        over the cells once the statistics are cached."""
+        from flarepp.train.rundir import data_fingerprint
+        runs = self.data.runs("train")
+        cells = np.array([self.data.surfaces.load(r).n_cells for r in runs], np.int64)
+        s = self.statistics
+        stats = np.array([*s.bbox_min, *s.bbox_max, *s.field_mean, *s.field_std, s.n_cells],
+                         np.float64)
+        ids = np.array([int(r[4:]) for r in runs], np.int64)
+        return data_fingerprint({"train_runs": ids, "train_cells": cells,
+                                 "train_statistics": stats}, self.data_root)
+
+    def check_model(self, model_config: dict[str, Any]) -> None:
+        for key, have in (("in_dim", IN_CHANNELS), ("out_dim", OUT_CHANNELS)):
+            if model_config.get(key) != have:
+                raise DataError(f"{self.data_root}: the surface task has {have} "
+                                f"{'input' if key == 'in_dim' else 'output'} channels, the "
+                                f"checkpoint's model has {key}={model_config.get(key)}")
+
+    def cases_to_predict(self, split: str, records: dict[str, np.ndarray]) -> list[int]:
+        """The case of Figures 13-14: the median-error car of the first ``FIGURE_SUBSET``."""
+        from flarepp.plots3d import median_case
+        if not len(records.get("index", ())):
+            return []
+        errors = case_channel_errors(records).mean(axis=1)
+        return [int(records["index"][median_case(errors, FIGURE_SUBSET)])]
+
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
+                      predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
+        """``surface_errors.json`` (every car's errors) and, for the case predicted again,
+        ``surface_case.npz``: ``pred`` and ``truth`` ``[N, 4]`` in m^2/s^2, ``run``,
+        ``source`` (its ``.vtp``), its ``nmse`` and the channel names."""
+        out_dir = Path(out_dir)
+        per_channel = case_channel_errors(records)
+        runs = self.data.runs(split)
+        cases = [{"run": runs[int(i)], "index": int(i), "cells": int(n),
+                  "nmse": float(e.mean()),
+                  "nmse_channels": dict(zip(FIELD_NAMES, map(float, e)))}
+                 for i, n, e in zip(records["index"], records["cells"], per_channel)]
+        chosen = list(predictions or {})
+        paths = [out_dir / ERRORS_FILE]
+        atomic_write_json(paths[0], {
+            "split": self.data.test_split, "metric": "100 x MSE of the standardised channels",
+            "nmse": float(per_channel.mean(axis=1).mean()), "figure_subset": FIGURE_SUBSET,
+            "figure_case": runs[chosen[0]] if chosen else None, "cases": cases})
+        for index, raw_NO in (predictions or {}).items():
+            run = self.data.surfaces.load(runs[index])
+            row = int(np.flatnonzero(records["index"] == index)[0])
+            arrays = {"pred": self.y_norm.decode(np.asarray(raw_NO, np.float32))
+                      .astype(np.float32),
+                      "truth": np.asarray(run.fields, np.float32), "run": np.asarray(run.run_id),
+                      "source": np.asarray(str(run.source.resolve())),
+                      "index": np.int64(index), "nmse": np.float64(cases[row]["nmse"]),
+                      "field_names": np.asarray(FIELD_NAMES), "units": np.asarray(FIELD_UNITS)}
+
+            def write(tmp, arrays=arrays):
+                with open(tmp, "wb") as f:
+                    np.savez(f, **arrays)
+            atomic_write(out_dir / CASE_FILE, write)
+            paths.append(out_dir / CASE_FILE)
+        return paths
+
+    @classmethod
+    def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
+        """Figures 13-14 for the run's saved case (``cases`` does not apply: the paper shows
+        one car) and the training curves."""
+        return plot_surface_run(out_dir)
+
+    # -- inference on whole surfaces (``flarepp infer``) ----------------------------------
+    @staticmethod
+    def inference_cases(config: Any, data_root: str | Path, split: str
+                        ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """``(run id, inputs [1, N, 6], targets [1, N, 4])`` in physical units for every run
+        of ``split`` (``train``, ``val`` or ``test`` of the config's split file) under
+        ``data_root``, one at a time; needs no training split."""
+        options = dict(config.dataset_options)
+        options.pop("test_split", None), options.pop("cells_per_step", None)
+        root = Path(data_root)
+        surfaces = DrivAerMLSurfaces(
+            root, split_file=resolve_split_file(root, options.pop("split_file", None)),
+            **options)
+        for run_id in surfaces.runs(split):
+            run = surfaces.load(run_id)
+            x = np.concatenate([run.centres, run.normals], axis=1)[None]
+            yield run_id, x, np.asarray(run.fields)[None]
+
+
+def predict_cases(model: nn.Module, cases: Iterable[tuple[str, np.ndarray, np.ndarray]],
+                  x_norm: Normalizer, y_norm: Normalizer, **options: Any
+                  ) -> Iterator[dict[str, Any]]:
+    """Predict whole surfaces one at a time (``cases`` as :meth:`SurfaceTask.inference_cases`
+    yields them; ``options`` those of :func:`~flarepp.distributed.inference.predict_mesh`:
+    ``chunk_size`` streams, ``cp`` shards). Per case: ``name``, ``pred [N, 4]`` in physical
+    units, ``cells``, wall ``seconds``, ``nmse`` (100 x the MSE of the channels standardised
+    by ``y_norm``), ``rel_l2`` over all channels, and ``peak_gib``, this process's peak
+    resident memory so far."""
+    import resource
+    import time
+
+    from flarepp.distributed.inference import predict_mesh
+    for name, x_1NI, y_1NO in cases:
+        start = time.perf_counter()
+        pred = predict_mesh(model, x_1NI, None, x_norm, y_norm, batch_size=1, **options)[0]
+        seconds = time.perf_counter() - start
+        truth = np.asarray(y_1NO[0], np.float64)
+        err = pred.astype(np.float64) - truth
+        yield {"name": name, "pred": pred.astype(np.float32), "cells": int(pred.shape[0]),
+               "seconds": seconds,
+               "nmse": METRIC_SCALE * float(np.mean(np.square(err / y_norm.std.astype(
+                   np.float64)))),
+               "rel_l2": float(np.linalg.norm(err) / max(np.linalg.norm(truth), 1e-300)),
+               "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+
+
+def write_case_predictions(path: Path, results: Iterable[dict[str, Any]]) -> list[dict]:
+    """Write ``pred_<name>`` per case into the ``.npz`` at ``path`` as the cases arrive (one
+    case in memory at a time), then ``cases``, ``cells``, ``seconds``, ``nmse`` and
+    ``rel_l2``; atomically. Returns the per-case numbers."""
+    import zipfile
+    done: list[dict[str, Any]] = []
+
+    def write(tmp):
+        with zipfile.ZipFile(tmp, "w", allowZip64=True) as archive:
+            for r in results:
+                with archive.open(f"pred_{r['name']}.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, r["pred"])
+                done.append({k: v for k, v in r.items() if k != "pred"})
+            for key in ("name", "cells", "seconds", "nmse", "rel_l2"):
+                with archive.open(f"{'cases' if key == 'name' else key}.npy", "w") as f:
+                    np.lib.format.write_array(f, np.asarray([r[key] for r in done]))
+    atomic_write(path, write)
+    return done
+
+
+def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:
+    """``100 x`` mean squared standardised error per case and channel, ``[S, 4]``."""
+    return METRIC_SCALE * records["sse"] / records["cells"][:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+
+def model_label(config: dict[str, Any]) -> str:
+    """``"flarepp, B=2, M=64"`` from a run's ``config.json``."""
+    model = config.get("model", {})
+    parts = [str(model.get("mixer", model.get("arch", "model")))]
+    parts += [f"{k}={model[key]}" for k, key in (("B", "blocks"), ("M", "latents"))
+              if key in model]
+    return ", ".join(parts)
+
+
+def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path]:
+    """Figures 13-14 of a finished surface run (reference, prediction and |error| in % of
+    the reference RMS over the visible cells, for ``p_s`` and ``|tau_w|``), from its
+    ``surface_case.npz`` and the case's ``.vtp``, and ``curves.png``."""
+    from flarepp.plots3d import plot_surface_case
+    run_dir = Path(run_dir)
+    path = run_dir / CASE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a finished "
+                                "surface run?")
+    with np.load(path) as case:
+        pred, truth = case["pred"], case["truth"]
+        run, source, nmse = str(case["run"]), Path(str(case["source"])), float(case["nmse"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{str(source)!r}, the surface of the case in {str(path)!r}, "
+                                "is gone: the figures draw its polygons")
+    config = json.loads((run_dir / "config.json").read_text())
+    label = f"{model_label(config)} ({nmse:.3g}%)"
+    paths = plot_surface_case(source, truth, {label: pred}, run_dir, case_name=run,
+                              backend=backend)
+    if (run_dir / "log.jsonl").is_file():
+        paths.append(plot_curves(run_dir))
+    return paths
+
+
+def plot_curves(run_dir: Path) -> Path:
+    """``curves.png``: training loss (subsets, live weights) and the scored split's error
+    (every cell, EMA weights) against epoch, both 100 x MSE of standardised channels."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
+               if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.8), constrained_layout=True)
+    ax.semilogy([r["epoch"] for r in records], [r["train_loss"] for r in records],
+                label="training loss (cell subsets, live weights)")
+    scored = [(r["epoch"], r["test_nmse"]) for r in records if "test_nmse" in r]
+    if scored:
+        ax.semilogy(*zip(*scored), marker="o", ms=3, label="test, every cell (EMA weights)")
+    ax.set_xlabel("epoch"), ax.set_ylabel("normalised MSE x 100 [%]")
+    ax.grid(alpha=.3), ax.legend()
+    path = run_dir / CURVES_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["DATASET", "SurfaceData", "SurfaceTask", "case_channel_errors", "input_normalizer",
+           "load_drivaerml", "output_normalizer", "plot_surface_run", "predict_cases",
+           "subset_cells", "write_case_predictions"]
