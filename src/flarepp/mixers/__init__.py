@@ -15,6 +15,7 @@ from flarepp.mixers import transolver as _transolver  # noqa: F401  (registers)
 from flarepp.mixers import causal as _causal  # noqa: F401  (registers)
 from flarepp.mixers import rank_adaptive as _rank_adaptive  # noqa: F401  (registers)
 from flarepp.mixers import higher_order as _higher_order  # noqa: F401  (registers)
+from flarepp.mixers import cross as _cross  # noqa: F401  (registers)
 from flarepp.mixers.base import Mixer, MixerConfig
 from flarepp.mixers.registry import MIXERS
 

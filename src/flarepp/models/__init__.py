@@ -39,6 +39,7 @@ MODELS.add("sequence-classifier", SequenceClassifier,
 
 
 from flarepp.models import causal_lm as _causal_lm  # noqa: E402,F401  (registers)
+from flarepp.models import conditioned as _conditioned  # noqa: E402,F401  (registers)
 
 
 def list_models() -> list[str]:

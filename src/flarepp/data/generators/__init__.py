@@ -10,10 +10,14 @@ name (``flarepp.data.load_dataset(name, out, n_train=..., n_test=...)``).
 * ``surface-flow``: car-like bodies, potential-flow surface pressure and a skin-friction
   wall shear, DrivAerML's ``run_<i>/boundary_<i>.vtp`` layout (``surface_flow.py``; read with
   ``flarepp.data.drivaerml.DrivAerMLSurfaces``; needs ``flarepp[surface]``).
+* ``advection-diffusion``: transient advection-diffusion trajectories with a pulsating
+  source on a periodic grid, exact Fourier integrator (``advection_diffusion.py``; read by
+  the ``rollout`` task, :mod:`flarepp.tasks.rollout`).
 """
 
 from __future__ import annotations
 
+from flarepp.data.generators.advection_diffusion import make_advection_diffusion
 from flarepp.data.generators.darcy import make_darcy
 from flarepp.data.generators.elasticity import make_elasticity
 from flarepp.data.generators.surface_flow import make_surface_flow
@@ -27,5 +31,9 @@ GENERATORS.add("elasticity", make_elasticity, defaults={"resolution": None},
 GENERATORS.add("surface-flow", make_surface_flow, defaults={"resolution": 5000},
                doc="car-like bodies, source-panel pressure + skin-friction wall shear "
                    "(.vtp, DrivAerML layout; needs flarepp[surface])")
+GENERATORS.add("advection-diffusion", make_advection_diffusion, defaults={"resolution": 32},
+               doc="transient 2-D advection-diffusion with a pulsating source, exact Fourier "
+                   "integrator (.npz trajectories; rollout task)")
 
-__all__ = ["GENERATORS", "make_darcy", "make_elasticity", "make_surface_flow"]
+__all__ = ["GENERATORS", "make_advection_diffusion", "make_darcy", "make_elasticity",
+           "make_surface_flow"]
