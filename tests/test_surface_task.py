@@ -182,10 +182,12 @@ def test_streamed_evaluation_equals_unchunked(data):
 def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
     """Two epochs, then: the per-car errors file, the median case saved in physical units
     (its error recomputed from the saved arrays equals its evaluated error), ``flarepp
-    eval`` and ``flarepp infer --chunk-size`` on the checkpoint giving the same metric, and
-    the Figure 13-14 pictures and curves drawn from the run directory."""
+    eval`` and ``flarepp infer --chunk-size`` on the checkpoint giving the same metric, the
+    case predicted again from the checkpoint (what ``flarepp drivaerml figures`` does for a
+    run that saved another car), and the Figure 13-14 pictures and curves drawn from the run
+    directory."""
     from flarepp.cli import main
-    from flarepp.tasks.surface import plot_surface_run
+    from flarepp.tasks.surface import plot_surface_run, predict_run_case
     out = tmp_path / "run"
     metrics = Trainer(config(data), out, progress=False).fit()
     assert np.isfinite(metrics["test_nmse"]) and metrics["task"] == "surface"
@@ -214,6 +216,12 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
         assert inferred["nmse"].mean() == pytest.approx(metrics["test_nmse"], rel=1e-4)
         np.testing.assert_allclose(inferred[f"pred_{lower_median['run']}"], pred,
                                    rtol=1e-4, atol=1e-3)
+
+    # another run's figures predict this car again from the checkpoint: the same numbers
+    again, reference, _ = predict_run_case(out, lower_median["run"], chunk_size=500,
+                                           device="cpu")
+    np.testing.assert_allclose(again, pred, rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(reference, truth)
 
     paths = plot_surface_run(out, backend="matplotlib")
     assert [p.name for p in paths] == [f"surface_pressure_{lower_median['run']}.png",

@@ -1,10 +1,12 @@
-"""``flarepp drivaerml prepare|pareto|report``: the full-surface task's data and Figure 5."""
+"""``flarepp drivaerml prepare|pareto|report|figures``: the full-surface task's data, Figure 5
+and Figures 13-14 of several runs."""
 
 from __future__ import annotations
 
 import argparse
 
 from flarepp.cli import CLIError
+from flarepp.device import DEVICE_HELP
 
 
 def _ints(text: str) -> list[int]:
@@ -62,6 +64,16 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _figures(args: argparse.Namespace) -> int:
+    from flarepp.cli import check_output
+    from flarepp.tasks.surface import plot_runs_together
+    check_output(args.out, directory=True)
+    for path in plot_runs_together(args.runs, args.out, chunk_size=args.chunk_size,
+                                   device=args.device, backend=args.backend):
+        print(path)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from flarepp.paper import DRIVAERML_FULL as full
     parser = sub.add_parser("drivaerml", help="full-surface DrivAerML: convert the files, "
@@ -101,3 +113,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                           "of a study")
     p.add_argument("directory")
     p.set_defaults(func=_report)
+
+    p = actions.add_parser("figures", help="Figures 13-14 with several runs' predictions of "
+                                           "one car (the last run's median case)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="finished surface run directories")
+    p.add_argument("--out", required=True, help="directory for the PNGs")
+    p.add_argument("--chunk-size", type=int, metavar="K",
+                   help="stream a car predicted again K cells at a time")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--backend", choices=["auto", "vtk", "matplotlib"], default="auto",
+                   help="renderer (auto: VTK off-screen where it works, else matplotlib)")
+    p.set_defaults(func=_figures)

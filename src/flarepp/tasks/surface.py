@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -505,6 +505,55 @@ def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path
     return paths
 
 
+def predict_run_case(run_dir: Path, run_id: str, *, chunk_size: int | None = None,
+                     device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
+    """``(prediction, reference, .vtp)`` of test car ``run_id`` by a finished run's final EMA
+    model, in m^2/s^2 (streamed in chunks of ``chunk_size`` cells when given)."""
+    from flarepp.train import Engine, load_for_evaluation
+    from flarepp.train.batching import to_device
+    checkpoint = json.loads((Path(run_dir) / "metrics.json").read_text())["checkpoint"]
+    model, task, config, _ = load_for_evaluation(checkpoint, device=device)
+    runs = task.data.runs("test")
+    if run_id not in runs:
+        raise DataError(f"{run_id} is not a test run of {task.data.surfaces.split_file}")
+    index = runs.index(run_id)
+    engine = Engine(task, next(model.parameters()).device, config.precision,
+                    chunk_size=chunk_size)
+    batch = to_device(task.collate([task.get("test", index, index)]), engine.device)
+    raw = engine.predict(model, batch)[0].float().cpu().numpy()
+    run = task.data.surfaces.load(run_id)
+    return (task.y_norm.decode(raw).astype(np.float32), np.asarray(run.fields, np.float32),
+            run.source)
+
+
+def plot_runs_together(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
+                       chunk_size: int | None = None, device: str = "auto",
+                       backend: str = "auto") -> list[Path]:
+    """Figures 13-14 with several finished runs' predictions of one car (e.g. FLARE and
+    FLARE++): the car the last run saved (the median-error car of the first 10 by its
+    errors); a run that saved another car predicts this one again from its checkpoint."""
+    from flarepp.plots3d import plot_surface_case
+    runs = [Path(d) for d in run_dirs]
+    with np.load(runs[-1] / CASE_FILE) as case:
+        chosen, truth = str(case["run"]), case["truth"]
+        source = Path(str(case["source"]))
+    predictions: dict[str, np.ndarray] = {}
+    for directory in runs:
+        config = json.loads((directory / "config.json").read_text())
+        label = model_label(config)
+        if label in predictions:
+            label += f", seed {config.get('seed')} ({directory.name})"
+        with np.load(directory / CASE_FILE) as case:
+            saved = str(case["run"]) == chosen
+            pred = case["pred"] if saved else None
+        if pred is None:
+            pred, _, _ = predict_run_case(directory, chosen, chunk_size=chunk_size,
+                                          device=device)
+        predictions[label] = pred
+    return plot_surface_case(source, truth, predictions, out_dir, case_name=chosen,
+                             backend=backend)
+
+
 def plot_curves(run_dir: Path) -> Path:
     """``curves.png``: training loss (subsets, live weights) and the scored split's error
     (every cell, EMA weights) against epoch, both 100 x MSE of standardised channels."""
@@ -528,5 +577,5 @@ def plot_curves(run_dir: Path) -> Path:
 
 
 __all__ = ["DATASET", "SurfaceData", "SurfaceTask", "case_channel_errors", "input_normalizer",
-           "load_drivaerml", "output_normalizer", "plot_surface_run", "predict_cases",
-           "subset_cells", "write_case_predictions"]
+           "load_drivaerml", "output_normalizer", "plot_runs_together", "plot_surface_run",
+           "predict_cases", "predict_run_case", "subset_cells", "write_case_predictions"]
