@@ -336,3 +336,5 @@ def test_bench_stream_measures_both_forwards_and_their_difference():
     exact = stream_exactness(settings, 6000, 1000, threads=1)
     assert exact["dtype"] == "torch.float32"
     assert exact["max_abs_diff"] <= 1e-5 * max(1.0, exact["max_abs_output"])
+    for key in ("streamed_vs_float64", "unchunked_vs_float64"):
+        assert exact[key] <= 1e-5 * max(1.0, exact["max_abs_output"])
