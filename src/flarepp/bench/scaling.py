@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import json
 import math
-import gc
 import platform
 import statistics
 import subprocess
