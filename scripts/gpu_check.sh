@@ -8,9 +8,11 @@
 #      at most TESTS_TIMEOUT seconds (default 240);
 #   2. the Figure 6 sweep (paper D.3): `flarepp bench scaling --device cuda --dtype bf16`
 #      for attention, flare and flarepp from 1k to 1M tokens at B = 8, C = 128, H = 8,
-#      M = 64, printing the table. Points whose estimated steps exceed POINT_BUDGET seconds
-#      (default 60) or would end the sweep past SWEEP_BUDGET seconds (default 170) are
-#      skipped with the reason; the process is stopped at SWEEP_TIMEOUT (default 230).
+#      M = 64 and BLOCKS blocks (default 8), printing the table. Points that would not fit
+#      the GPU's memory (at B = 8 and 8 blocks, the largest N), whose estimated steps
+#      exceed POINT_BUDGET seconds (default 60) or that would end the sweep past
+#      SWEEP_BUDGET seconds (default 170) are skipped with the reason; the process is
+#      stopped at SWEEP_TIMEOUT seconds (default 230).
 #
 # Writes runs/gpu-check/scaling.{json,csv,png}. Exit status: 0 when both parts pass.
 set -uo pipefail
@@ -25,14 +27,14 @@ fi
 "$PY" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'gpu-check on {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
 
 start=$(date +%s)
-timeout "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+timeout "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py
 tests_status=$?
 echo "gpu-check: cuda tests exit status ${tests_status} after $(( $(date +%s) - start )) s"
 
 mkdir -p "$OUT"
 timeout "${SWEEP_TIMEOUT:-230}" "$PY" -m flarepp bench scaling --device cuda --dtype bf16 \
     --mixers attention,flare,flarepp --n 1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1M \
-    --batch 8 --dim 128 --heads 8 --latents 64 --blocks 8 --warmup 1 --repeats 3 \
+    --batch 8 --dim 128 --heads 8 --latents 64 --blocks "${BLOCKS:-8}" --warmup 1 --repeats 3 \
     --time-budget "${POINT_BUDGET:-60}" --total-budget "${SWEEP_BUDGET:-170}" \
     --json "$OUT/scaling.json"
 sweep_status=$?
