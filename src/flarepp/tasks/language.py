@@ -244,8 +244,8 @@ class LanguageModelTask(Task):
                             f"vocab_size={model_config.get('vocab_size')}, "
                             f"in_dim={model_config.get('in_dim')}")
 
-    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
-                      ) -> list[Path]:
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
+                      predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
         path = out_dir / f"{split}_bits_per_byte.json"
         text = json.dumps(self.summarize(split, records), indent=2)
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))

@@ -342,8 +342,8 @@ class RolloutTask(Task):
                             f"{self.data.patches} needs a model with {want}, the checkpoint's "
                             f"has {got}")
 
-    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
-                      ) -> list[Path]:
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
+                      predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
         """``test_rollout.npz``: per-trajectory, per-step errors and a few rollouts."""
         d = self.data
         cases = records["index"][:SAVED_CASES]
