@@ -226,3 +226,23 @@ def test_compare_writes_table_and_reuses_runs(listops, tmp_path):
                            split_limits={"train": 24, "val": 12, "test": 12},
                            data_roots={"listops": str(listops)}, overrides=TINY_MODEL,
                            log=lambda _: None)
+
+
+def test_compare_records_a_diverged_run_and_goes_on(listops, tmp_path):
+    """A run whose loss becomes non-finite is recorded in failed.json, left out of the
+    table and not retried, and the other runs of the grid still train. A failure means one
+    diverging mixer would stop (or silently enter) the whole comparison."""
+    from flarepp.experiments.lra_compare import run_lra_comparison
+    lines = []
+    options = dict(seeds=1, steps=3, split_limits={"train": 24, "val": 12, "test": 12},
+                   data_roots={"listops": str(listops)}, log=lines.append)
+    results = run_lra_comparison(["listops"], ["flarepp", "attention"], tmp_path, **options,
+                                 overrides=[*TINY_MODEL, "lr=1e30", "div_factor=1.0"])
+    assert results == [] and any("failed" in line for line in lines)
+    assert (tmp_path / "runs/listops/flarepp/seed0/failed.json").exists()
+    assert (tmp_path / "runs/listops/attention/seed0/failed.json").exists()
+    lines.clear()
+    run_lra_comparison(["listops"], ["flarepp"], tmp_path, **options,
+                       overrides=[*TINY_MODEL, "lr=1e30", "div_factor=1.0"])
+    assert lines == [f"[1/1] listops flarepp seed 0: failed before "
+                     f"({tmp_path / 'runs/listops/flarepp/seed0/failed.json'}); not retried"]

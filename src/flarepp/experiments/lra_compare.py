@@ -9,7 +9,9 @@ and shared by its runs.
 
 Resumable and shareable: a finished run (``metrics.json``) with the same config is reused,
 one with another config is an error (never a stale table entry), a half-finished one
-resumes from its newest checkpoint, and a run another process is training (its run
+resumes from its newest checkpoint, a run whose loss diverged is recorded in its
+``failed.json`` and left out of the table (its cell counts the seeds that finished), and
+a run another process is training (its run
 directory is locked) is skipped, so several ``flarepp lra compare`` processes with the same
 arguments can share one ``out_dir``; each writes the table of every run finished so far.
 
@@ -30,7 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from flarepp.io import atomic_write_text
+from flarepp.io import atomic_write_json, atomic_write_text
+
+FAILED = "failed.json"  # a run whose loss diverged: kept out of the table, not retried
 
 RESULT_FIELDS = ["task", "mixer", "seed", "test_accuracy", "val_accuracy", "chance",
                  "majority", "params", "seconds", "epochs", "steps", "train_samples",
@@ -147,6 +151,9 @@ def run_lra_comparison(tasks: list[str], mixers: list[str], out_dir: str | Path,
                             overrides=[*(overrides or []), *runtime])
         directory = run.directory(out_dir)
         where = f"[{i + 1}/{len(runs)}] {run.task} {run.mixer} seed {run.seed}"
+        if (directory / FAILED).exists():
+            log(f"{where}: failed before ({directory / FAILED}); not retried")
+            continue
         if _finished(directory, config):
             results.append(_result(run, directory, dataset))
             continue
@@ -164,7 +171,12 @@ def run_lra_comparison(tasks: list[str], mixers: list[str], out_dir: str | Path,
                     f"epoch(s) into {directory}")
                 trainer = Trainer(config, directory, resume=resume, progress=False,
                                   task=build_task(config, root, data=dataset))
-                metrics = trainer.fit()
+                try:
+                    metrics = trainer.fit()
+                except FloatingPointError as err:  # diverged: recorded, the grid goes on
+                    atomic_write_json(directory / FAILED, {"error": str(err)})
+                    log(f"{where}: failed: {err}")
+                    continue
                 log(f"{where}: test accuracy {100 * metrics['test_accuracy']:.2f}% "
                     f"({metrics['seconds']:.0f} s)")
             results.append(_result(run, directory, dataset))
