@@ -164,6 +164,8 @@ def open_sweep(out_dir: str | Path, spec: SweepSpec | None) -> SweepSpec:
         return SweepSpec.from_dict(stored)
     spec.check()
     mine = json.loads(json.dumps(spec.to_dict()))
+    if stored is not None:  # as this version reads it (a field added since takes its default)
+        stored = json.loads(json.dumps(SweepSpec.from_dict(stored).to_dict()))
     if stored is not None and stored != mine:
         changed = sorted(k for k in mine if mine[k] != stored.get(k))
         raise ValueError(f"{str(out_dir)!r} holds another sweep (its {', '.join(changed)} "
