@@ -45,6 +45,11 @@ def test_a_bad_point_fails_before_training(tmp_path):
     open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,1"]), "d"))
     with pytest.raises(ValueError, match="another sweep"):
         open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,2"]), "d"))
+    # a sweep stored before a config field existed is the same sweep for this version
+    stored = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    del stored["base"]["eval_chunk_size"]
+    (tmp_path / "b" / "sweep.json").write_text(json.dumps(stored))
+    open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,1"]), "d"))
 
 
 def test_seed_table_and_precision_ratio_statistics():
