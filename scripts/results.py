@@ -93,7 +93,7 @@ def protocol_section(out: Path) -> list[str]:
         if not (out / name / "sweep.json").exists():
             return []
         spec, rows = collect_results(out / name)
-        tables[name] = {(t["model.mixer"], t["attn_scale"]): t
+        tables[name] = {(t["model.mixer"], t["sdpa_scale"]): t
                         for t in seed_table(rows, [k for k, _ in spec.axes])}
     keys = sorted(set(tables["protocol-legacy"]) | set(tables["protocol-reference"]))
     lines = ["## The training protocol (Darcy, `darcy-tiny`)", "",
@@ -156,7 +156,7 @@ def mixer_section(out: Path, study: Study, figures: Path) -> list[str]:
              "seeds.", "", "| blocks | mixer | SDPA scale | test | train | seeds |",
              "|---|---|---|---|---|---|"]
     for t in sorted(table, key=lambda t: (int(t["model.blocks"]), t["model.mixer"])):
-        lines.append(f"| {t['model.blocks']} | {t['model.mixer']} | {t['attn_scale']} | "
+        lines.append(f"| {t['model.blocks']} | {t['model.mixer']} | {t['sdpa_scale']} | "
                      f"{_pct(t['test_mean'], t['test_std'])} | "
                      f"{_pct(t['train_mean'], t['train_std'])} | {t['seeds']} |")
     by_depth: dict[str, dict[str, float]] = {}

@@ -55,7 +55,7 @@ def test_a_bad_point_fails_before_training(tmp_path):
 def test_seed_table_and_precision_ratio_statistics():
     """Table 11 uses the sample standard deviation (ddof 1); Figure 7's ratio is the mean
     16-bit error over the mean FP32 error of the same mixer, depth and budget."""
-    rows = [dict(status="done", mixer="flare", attn_scale="1", blocks=2, latents=8,
+    rows = [dict(status="done", mixer="flare", sdpa_scale="1", blocks=2, latents=8,
                  precision=p, seed=s, test_rel_l2=t, train_rel_l2=t / 2,
                  **{"model.mixer": "flare"})
             for p, s, t in [("fp32", 0, 0.10), ("fp32", 1, 0.14), ("fp16", 0, 0.15),
@@ -69,7 +69,7 @@ def test_seed_table_and_precision_ratio_statistics():
 
 
 def test_compare_table_states_the_scales():
-    results = [dict(model=m, label=m, dataset="darcy", seed=0, attn_scale=s, test_rel_l2=0.1,
+    results = [dict(model=m, label=m, dataset="darcy", seed=0, sdpa_scale=s, test_rel_l2=0.1,
                     train_rel_l2=0.1, params=1, seconds=1, epochs=1, n_points=484)
                for m, s in (("flare", "1"), ("flarepp", "1/sqrt(16)"))]
     table = markdown_table(results)
@@ -134,7 +134,7 @@ def test_killed_sweep_resumes_and_two_processes_share_it(tmp_path):
     assert report.returncode == 0, report.stderr.decode()[-2000:]
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert len(rows) == 8 and all(r["status"] == "done" for r in rows)
-    assert {r["mixer"]: r["attn_scale"] for r in rows} == {"flare": "1",
+    assert {r["mixer"]: r["sdpa_scale"] for r in rows} == {"flare": "1",
                                                             "flarepp": "1/sqrt(4)"}
     text = (out / "report.md").read_text()
     assert "Table 11" in text and "± " in text and "Figure 4" in text

@@ -29,7 +29,7 @@ from flarepp.experiments.comparison import (COMPARISON_MODELS, TABLE1_ORDER,
                                             comparison_model_kwargs)
 from flarepp.mixers.abupt import AnchorAttentionConfig
 
-RESULT_FIELDS = ["model", "label", "dataset", "seed", "attn_scale", "test_rel_l2",
+RESULT_FIELDS = ["model", "label", "dataset", "seed", "sdpa_scale", "test_rel_l2",
                  "train_rel_l2", "params", "seconds", "epochs", "n_points"]
 
 
@@ -89,7 +89,7 @@ def run_comparison(models: list[str], datasets: list[str], out_dir: str | Path, 
                 metrics = _one_run(config, splits, run_dir)
                 result = {"model": name, "label": COMPARISON_MODELS.get(name).label,
                           "dataset": dataset, "seed": seed,
-                          "attn_scale": config.sdpa_scale_text(),
+                          "sdpa_scale": config.sdpa_scale_text(),
                           "test_rel_l2": metrics["test_rel_l2"],
                           "train_rel_l2": metrics["train_rel_l2"],
                           "params": metrics["params"], "seconds": metrics["seconds"],
@@ -166,8 +166,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
     lines.append("")
     lines.append(f"Test relative L2 error in %, {spread}; bold and underline: best and "
                  "second-best efficient model.")
-    scales = {r["model"]: r.get("attn_scale", "-") for r in results}
-    lines.append("SDPA scale each model ran with (config attn_scale): " + ", ".join(
+    scales = {r["model"]: r.get("sdpa_scale", "-") for r in results}
+    lines.append("SDPA scale each model ran with (sdpa_scale; config attn_scale): " + ", ".join(
         f"{COMPARISON_MODELS.get(m).label if m in COMPARISON_MODELS else m} {scales[m]}"
         for m in models) + ".")
     anchors = AnchorAttentionConfig.anchors

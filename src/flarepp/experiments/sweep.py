@@ -24,7 +24,8 @@ point), ``report.md`` and, where the grid has the axes for them, the paper's stu
 * Table 11 (Sec. D.1): mean and sample standard deviation over seeds of the train and test
   errors of every other combination.
 
-Every table states the SDPA scale each run's mixer used (``attn_scale``).
+Every table states the SDPA scale each run's mixer used (``sdpa_scale``; the config key
+``attn_scale`` may say ``reference``).
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, *,
 # the report
 
 RESULT_FIELDS = ["point", "status", "mixer", "blocks", "latents", "precision", "seed",
-                 "attn_scale", "test_rel_l2", "train_rel_l2", "params", "seconds", "epochs"]
+                 "sdpa_scale", "test_rel_l2", "train_rel_l2", "params", "seconds", "epochs"]
 
 
 def collect_results(out_dir: str | Path) -> tuple[SweepSpec, list[dict[str, Any]]]:
@@ -276,7 +277,7 @@ def collect_results(out_dir: str | Path) -> tuple[SweepSpec, list[dict[str, Any]
             "mixer": model.get("mixer", model.get("arch", "surrogate")),
             "blocks": model.get("blocks"), "latents": model.get("latents"),
             "precision": config.precision, "seed": config.seed,
-            "attn_scale": config.sdpa_scale_text()}
+            "sdpa_scale": config.sdpa_scale_text()}
         directory = run_dir(out_dir, point)
         if (directory / "metrics.json").exists():
             metrics = json.loads((directory / "metrics.json").read_text())
@@ -311,7 +312,7 @@ def seed_table(rows: list[dict[str, Any]], axes: list[str]) -> list[dict[str, An
     for combo, runs in groups.items():
         test, train = (_mean_std([r[m] for r in runs]) for m in ("test_rel_l2", "train_rel_l2"))
         table.append({**dict(zip(keys, combo)), "mixer": runs[0]["mixer"],
-                      "attn_scale": runs[0]["attn_scale"], "seeds": len(runs),
+                      "sdpa_scale": runs[0]["sdpa_scale"], "seeds": len(runs),
                       "test_mean": test[0], "test_std": test[1],
                       "train_mean": train[0], "train_std": train[1]})
     return table
@@ -330,11 +331,11 @@ def depth_figure(rows: list[dict[str, Any]], path: Path) -> Path | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = sorted({(r["mixer"], r["attn_scale"], r["precision"]) for r in done}, key=str)
+    panels = sorted({(r["mixer"], r["sdpa_scale"], r["precision"]) for r in done}, key=str)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False,
                              sharey=True)
     for ax, (mixer, scale, precision) in zip(axes[0], panels):
-        mine = [r for r in done if (r["mixer"], r["attn_scale"], r["precision"])
+        mine = [r for r in done if (r["mixer"], r["sdpa_scale"], r["precision"])
                 == (mixer, scale, precision)]
         for latents in _varying(mine, "latents"):
             pts = []
@@ -367,7 +368,7 @@ def precision_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     done = [r for r in rows if r["status"] == "done"]
     groups: dict[tuple, dict[str, list[float]]] = {}
     for r in done:
-        key = (r["mixer"], r["attn_scale"], r["blocks"], r["latents"])
+        key = (r["mixer"], r["sdpa_scale"], r["blocks"], r["latents"])
         groups.setdefault(key, {}).setdefault(r["precision"], []).append(r["test_rel_l2"])
     out = []
     for (mixer, scale, blocks, latents), by_precision in sorted(groups.items(), key=str):
@@ -376,7 +377,7 @@ def precision_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fp32 = float(np.mean(by_precision["fp32"]))
         for precision in ("fp16", "bf16"):
             if precision in by_precision:
-                out.append({"mixer": mixer, "attn_scale": scale, "blocks": blocks,
+                out.append({"mixer": mixer, "sdpa_scale": scale, "blocks": blocks,
                             "latents": latents, "precision": precision,
                             "ratio": float(np.mean(by_precision[precision])) / fp32})
     return out
@@ -390,11 +391,11 @@ def precision_figure(ratios: list[dict[str, Any]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.0, 3.4))
-    lines = sorted({(r["mixer"], r["attn_scale"], r["latents"], r["precision"])
+    lines = sorted({(r["mixer"], r["sdpa_scale"], r["latents"], r["precision"])
                     for r in ratios}, key=str)
     for mixer, scale, latents, precision in lines:
         pts = sorted((r["blocks"], r["ratio"]) for r in ratios
-                     if (r["mixer"], r["attn_scale"], r["latents"], r["precision"])
+                     if (r["mixer"], r["sdpa_scale"], r["latents"], r["precision"])
                      == (mixer, scale, latents, precision))
         b, v = zip(*pts)
         ax.plot(b, v, marker="o", label=f"{mixer} M={latents} {precision} (scale {scale})")
@@ -431,21 +432,21 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
              + ", ".join(f"`{k}` = {', '.join(v)}" for k, v in spec.axes) + ".",
              f"Points: {len(rows)} ({counts['done']} done, {counts['failed']} failed, "
              f"{counts['pending']} pending). Errors are test (train) relative L2 in %; "
-             "`attn_scale` is the SDPA scale each run's mixer used.", "",
+             "`sdpa_scale` is the SDPA scale each run's mixer used (config `attn_scale`).", "",
              "## Every run", ""]
-    body = [[r["point"], r["mixer"], r["attn_scale"], r["status"],
+    body = [[r["point"], r["mixer"], r["sdpa_scale"], r["status"],
              "-" if r.get("test_rel_l2") is None else f"{100 * r['test_rel_l2']:.3f}",
              "-" if r.get("train_rel_l2") is None else f"{100 * r['train_rel_l2']:.3f}",
              r.get("params") or "-"] for r in rows]
-    lines += _markdown(["point", "mixer", "attn_scale", "status", "test %", "train %",
+    lines += _markdown(["point", "mixer", "sdpa_scale", "status", "test %", "train %",
                         "params"], body)
     if "seed" in axes:
         table = seed_table(rows, axes)
         keys = [k for k in axes if k != "seed"]
         lines += ["", "## Over seeds (Table 11)", "",
                   "Mean ± sample standard deviation over seeds.", ""]
-        lines += _markdown(keys + ["attn_scale", "seeds", "test %", "train %"],
-                           [[t[k] for k in keys] + [t["attn_scale"], t["seeds"],
+        lines += _markdown(keys + ["sdpa_scale", "seeds", "test %", "train %"],
+                           [[t[k] for k in keys] + [t["sdpa_scale"], t["seeds"],
                                                     _pct(t["test_mean"], t["test_std"]),
                                                     _pct(t["train_mean"], t["train_std"])]
                             for t in table])
@@ -459,8 +460,8 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     if figure is not None:
         paths["figure7"] = figure
         lines += ["", "## 16-bit over FP32 test error (Figure 7)", ""]
-        lines += _markdown(["mixer", "attn_scale", "blocks", "latents", "precision", "ratio"],
-                           [[r["mixer"], r["attn_scale"], r["blocks"], r["latents"],
+        lines += _markdown(["mixer", "sdpa_scale", "blocks", "latents", "precision", "ratio"],
+                           [[r["mixer"], r["sdpa_scale"], r["blocks"], r["latents"],
                              r["precision"], f"{r['ratio']:.3f}"] for r in ratios])
         lines += ["", f"![Figure 7]({figure.name})"]
     atomic_write_text(paths["markdown"], "\n".join(lines) + "\n")
