@@ -9,7 +9,10 @@ visible step by step. The model and optimizer state follow the trainer's
 around the growth epochs).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/rank_growth_darcy.py --data /work/data/darcy \
-        --out runs/extensions/rank [--seed 0]
+        --out runs/extensions/rank [--seeds 0 1 2]
+
+Run directories are ``OUT/<variant>-s<seed>``; ``summary.json`` and the figure cover every
+finished one.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ VARIANTS = {
 COMMON = ["model.mixer=flare", "device=cpu"]
 
 
-def run(name: str, overrides: list[str], data: Path, out: Path) -> None:
+def run(name: str, overrides: list[str], data: Path, out: Path, seed: int) -> None:
     from flarepp.train import Trainer, get_preset
-    config = get_preset("darcy-tiny", COMMON + overrides)
+    config = get_preset("darcy-tiny", COMMON + overrides + [f"seed={seed}"])
+    name = f"{name}-s{seed}"
     run_dir = out / name
     steps = run_dir / "steps.jsonl"
     while True:
@@ -41,9 +45,8 @@ def run(name: str, overrides: list[str], data: Path, out: Path) -> None:
         trainer.fit(stop_after=1)
         latents = trainer.model.config.latents
         with open(steps, "a") as f:
-            for i, loss in enumerate(trainer.step_losses):
-                f.write(json.dumps({"epoch": epoch, "step": i, "loss": loss,
-                                    "latents": latents}) + "\n")
+            f.writelines(json.dumps({"epoch": epoch, "step": i, "loss": loss,
+                                    "latents": latents}) + "\n" for i, loss in enumerate(trainer.step_losses))
         print(f"{name}: epoch {epoch} M={latents} {trainer.history[-1]}", flush=True)
 
 
@@ -53,10 +56,12 @@ def summarize(out: Path) -> dict:
     import matplotlib.pyplot as plt
     summary = {}
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-    for name in VARIANTS:
+    colours = dict(zip(VARIANTS, ("C0", "C1", "C2")))
+    names = sorted(p.name for p in out.iterdir() if (p / "metrics.json").is_file())
+    for name in names:
         log = out / name / "log.jsonl"
-        if not log.is_file():
-            continue
+        variant = name.rsplit("-s", 1)[0]
+        style = dict(color=colours.get(variant, "k"), label=name)
         records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         steps = [json.loads(x) for x in (out / name / "steps.jsonl").read_text().splitlines()]
         seconds, elapsed = [], 0.0
@@ -68,10 +73,10 @@ def summarize(out: Path) -> dict:
                          "train_loss": [r["train_loss"] for r in records],
                          "final_test_rel_l2": errors[-1], "total_seconds": seconds[-1]}
         epochs = [r["epoch"] for r in records]
-        a.semilogy(epochs, errors, marker="o", ms=3, label=name)
-        b.semilogy(seconds, errors, marker="o", ms=3, label=name)
+        a.semilogy(epochs, errors, marker="o", ms=2, lw=0.8, **style)
+        b.semilogy(seconds, errors, marker="o", ms=2, lw=0.8, **style)
         losses = [s["loss"] for s in steps]
-        c.semilogy(range(1, len(losses) + 1), losses, lw=0.8, label=name)
+        c.semilogy(range(1, len(losses) + 1), losses, lw=0.5, **style)
     per_epoch = len([s for s in steps if s["epoch"] == 1]) if summary else 0
     for growth in (5, 10):
         c.axvline(growth * per_epoch + 0.5, color="k", lw=0.6, ls=":")
@@ -89,11 +94,13 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="darcy data directory")
     parser.add_argument("--out", type=Path, default=Path("runs/extensions/rank"))
     parser.add_argument("--only", choices=sorted(VARIANTS), action="append")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--summary-only", action="store_true")
     args = parser.parse_args()
     if not args.summary_only:
-        for name in args.only or VARIANTS:
-            run(name, VARIANTS[name], args.data, args.out)
+        for seed in args.seeds:
+            for name in args.only or VARIANTS:
+                run(name, VARIANTS[name], args.data, args.out, seed)
     for name, s in summarize(args.out).items():
         print(f"{name:14s} final test rel L2 {s['final_test_rel_l2']:.4f} after "
               f"{s['total_seconds']:.0f} s of training")

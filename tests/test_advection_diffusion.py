@@ -64,7 +64,7 @@ def test_pulsating_source_matches_greens_function_quadrature():
     np.testing.assert_allclose(one, many, rtol=0, atol=1e-12)  # step-size independent
     w = problem.source_width
     for i, j in ((16, 13), (20, 14), (5, 27)):
-        def integrand(s):
+        def integrand(s, i=i, j=j):
             s2 = w ** 2 + 2 * KAPPA * (T - s)
             centre = (0.5 + VELOCITY[0] * (T - s), 0.4 + VELOCITY[1] * (T - s))
             return (problem.source_amplitude * np.cos(2 * np.pi * problem.frequency * s)
@@ -100,7 +100,7 @@ def test_files_are_deterministic_per_trajectory(tmp_path, capsys):
     assert a.u.shape == (3, 21, 8, 8) and a.params.shape == (3, 6)
     np.testing.assert_array_equal(a.u[0], b.u[0])
     np.testing.assert_array_equal(a.params[0], b.params[0])
-    u, params = random_trajectory(8, np.random.default_rng([0, 1, 1]))
+    u, _ = random_trajectory(8, np.random.default_rng([0, 1, 1]))
     np.testing.assert_allclose(read_trajectories(tmp_path / "a", "test").u[1], u, rtol=1e-6,
                                atol=1e-6)
     assert a.times[1] == pytest.approx(0.05) and a.source_width == pytest.approx(0.08)

@@ -3,12 +3,12 @@
 
 import pytest
 import torch
+from reference import ExplicitBackend, _heads, _lin, _split_weights, _unheads, reference_mixer
 
 import flarepp
 from flarepp.mixers.cross import joint_tokens
 from flarepp.models.conditioned import CONDITIONING
 from flarepp.ops import AttentionBackend
-from reference import ExplicitBackend, _heads, _lin, _split_weights, _unheads, reference_mixer
 
 SMALL = dict(dim=16, heads=2, latents=4)
 CROSS = ["flare-cross", "flarepp-cross"]

@@ -46,10 +46,11 @@ def joint_tokens(x_BNC: torch.Tensor, mask_BN: torch.Tensor | None,
     if mask_BN is None and conditioning_mask_BK is None:
         return joint, None
     B, N, K = x_BNC.shape[0], x_BNC.shape[1], conditioning_BKC.shape[1]
-    ones = lambda n: torch.ones(B, n, dtype=torch.bool, device=x_BNC.device)  # noqa: E731
-    return joint, torch.cat([ones(N) if mask_BN is None else mask_BN,
-                             ones(K) if conditioning_mask_BK is None
-                             else conditioning_mask_BK], dim=1)
+    def real(mask: torch.Tensor | None, n: int) -> torch.Tensor:
+        return torch.ones(B, n, dtype=torch.bool, device=x_BNC.device) if mask is None \
+            else mask
+
+    return joint, torch.cat([real(mask_BN, N), real(conditioning_mask_BK, K)], dim=1)
 
 
 class CrossRouting(LowRankRouting):

@@ -92,7 +92,7 @@ class TextFiles:
             raise ValueError(f"unknown split {name!r}; the lm task has 'train' and 'test'")
         return getattr(self, name)
 
-    def validate(self) -> "TextFiles":
+    def validate(self) -> TextFiles:
         """Both splits must hold at least one window of ``context + 1`` bytes."""
         for name in ("train", "test"):
             s = self.split(name)
@@ -222,7 +222,7 @@ class LanguageModelTask(Task):
         total = float(records["nats"].sum())
         count = int(records["bytes"].sum())
         return {"bits_per_byte": total / count / LOG2, "nats_per_byte": total / count,
-                "windows": int(len(records["index"]))}
+                "windows": len(records["index"])}
 
     # -- state and outputs ---------------------------------------------------------------
     def describe_data(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ class RolloutData:
         """T: the steps of a trajectory (T + 1 states)."""
         return int(self.train.u.shape[1]) - 1
 
-    def validate(self) -> "RolloutData":
+    def validate(self) -> RolloutData:
         R, T = self.train.resolution, self.steps
         if self.test.resolution != R or self.test.u.shape[1] != T + 1:
             raise DataError(f"{self.source}: train and test trajectories differ in grid or "
@@ -216,7 +216,9 @@ class RolloutTask(Task):
                 "params": params.astype(np.float32)}
 
     def collate(self, items: list[Item]) -> Batch:
-        stack = lambda key: torch.from_numpy(np.stack([it[key] for it in items]))  # noqa: E731
+        def stack(key: str) -> torch.Tensor:
+            return torch.from_numpy(np.stack([it[key] for it in items]))
+
         return {"states": stack("states"), "source": stack("source"),
                 "lag_valid": stack("lag_valid"),
                 "time": stack("time"), "params": stack("params"),

@@ -19,7 +19,8 @@ g_k`` with ``lambda_k = -i k . v - kappa |k|^2`` and ``w = 2 pi f``. Over a step
 integral in closed form):
 
     u_k(t1) = e^{lambda_k dt} u_k(t0) + A g_k (J_k(w) + J_k(-w)) / 2,
-    J_k(w)  = int_{t0}^{t1} e^{lambda_k (t1 - s)} e^{i w s} ds = e^{i w t1} dt phi_1((lambda_k - i w) dt),
+    J_k(w)  = int_{t0}^{t1} e^{lambda_k (t1 - s)} e^{i w s} ds
+            = e^{i w t1} dt phi_1((lambda_k - i w) dt),
 
 with ``phi_1(z) = (e^z - 1) / z`` (``phi_1(0) = 1``), evaluated for ``Re z <= 0`` only, so no
 term can overflow; ``|e^{lambda_k dt}| <= 1``, so the scheme is stable for any ``dt``. The
