@@ -10,12 +10,13 @@ never redone, a half-finished one resumes, and several processes may work on one
 (a point is claimed by an exclusive lock on ``DIR/claims/<point>/.lock``).
 
 Training cost (D.4): the paper's GPU hours are 500 x the wall time of one steady-state epoch
-(data loading included; compilation and full-mesh evaluation excluded), on one H100. Here a
-run's cost is ``epochs x`` the median wall time of its training epochs after the first
-(which carries warm-up; the only one if there is one), from the run's own ``log.jsonl``, in
-hours of the device the run trained on: CPU hours on a CPU machine, GPU hours on a GPU. The
-measured sum of the training epochs is reported beside it. On a shared machine the epoch
-times carry the load of the other processes.
+(data loading included; compilation and full-mesh evaluation excluded) measured in separate
+timing runs on one H100. Here each point gets its own timing run before it trains
+(:func:`time_epoch`: two training epochs from scratch in a temporary directory, the second
+one measured; ``cost.json``), and its cost is ``epochs x`` that epoch in hours of the device
+it ran on: GPU hours (wall time) on a GPU; on a CPU the process's CPU time, since the wall
+time of a shared machine measures the other processes' load as much as the run. The wall
+time the run's own training epochs took (``log.jsonl``) is reported beside it.
 
 The Pareto front: the configurations (means over seeds) that no other configuration beats
 on both counts, i.e. none is at most as costly and at most as wrong with one of the two
@@ -27,6 +28,7 @@ cost; the front) and ``fig5_cost_error.png``.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -44,6 +46,7 @@ from flarepp.train.config import RunConfig, apply_overrides
 
 SPEC_NAME = "pareto.json"
 EVENTS_NAME = "events.jsonl"
+COST_NAME = "cost.json"
 ANCHOR_MIXER = "abupt"
 MIXER_LABELS = {"flare": "FLARE", "flarepp": "FLARE++", "abupt": "AB-UPT"}
 MIXER_COLOURS = {"flare": "tab:blue", "flarepp": "tab:red", "abupt": "tab:green"}
@@ -130,10 +133,37 @@ def _event(out_dir: Path, point: Point, event: str, **extra: Any) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_pareto(spec: ParetoSpec, out_dir: str | Path, *,
+def time_epoch(config: RunConfig, data_root: str, splits: Any, *, epochs: int = 2
+               ) -> dict[str, Any]:
+    """A separate timing run (D.4): ``epochs`` training epochs of ``config`` from scratch in a
+    temporary directory; the last one's wall time (data loading included) and this
+    process's CPU time over it. Nothing is evaluated or kept."""
+    import tempfile
+
+    import torch
+
+    from flarepp.train import Trainer
+    with tempfile.TemporaryDirectory(prefix="flarepp-timing-") as tmp:
+        # the schedule must last the timing epochs (a run of fewer epochs is timed too)
+        timed = dataclasses.replace(config, epochs=max(config.epochs, epochs))
+        trainer = Trainer(timed, Path(tmp) / "run", data_root=data_root, progress=False,
+                          splits=splits)
+        try:
+            for _ in range(epochs):
+                wall, cpu = time.perf_counter(), time.process_time()
+                trainer.train_epoch()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        finally:
+            trainer.close()
+    return {"epoch_seconds": wall, "epoch_cpu_seconds": cpu, "timing_epochs": epochs,
+            "device": str(trainer.device), "threads": torch.get_num_threads()}
+
+
+def run_pareto(spec: ParetoSpec, out_dir: str | Path, *, timing_epochs: int = 2,
                log: Callable[[str], None] = print) -> dict[str, list[str]]:
-    """Train every unclaimed, unfinished point into ``out_dir``; returns this process's
-    ``{"finished", "failed", "skipped"}`` point names."""
+    """Time and train every unclaimed point that lacks its ``cost.json`` or its result
+    (:func:`time_epoch` first, then the run); returns this process's ``{"finished",
+    "failed", "skipped"}`` point names."""
     from flarepp.data import load_dataset
     from flarepp.tasks import TASKS
     from flarepp.train import Trainer, latest_checkpoint
@@ -141,8 +171,12 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *,
     out_dir = Path(out_dir)
     loaded: dict[str, Any] = {}
     done: dict[str, list[str]] = {"finished": [], "failed": [], "skipped": []}
+
+    def complete(point: Point) -> bool:
+        return point_done(out_dir, point) and (run_dir(out_dir, point) / COST_NAME).exists()
+
     for i, point in enumerate(spec.points):
-        if point_done(out_dir, point):
+        if complete(point):
             continue
         claim = RunLock(out_dir / "claims" / point.name)
         try:
@@ -151,7 +185,7 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *,
             done["skipped"].append(point.name)
             continue
         try:
-            if point_done(out_dir, point):
+            if complete(point):
                 continue
             config = spec.config(point)
             key = json.dumps([config.dataset, config.dataset_options])
@@ -159,26 +193,31 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *,
                 loaded[key] = load_dataset(config.dataset, spec.data_root,
                                            **config.dataset_options)
             directory = run_dir(out_dir, point)
+            tag = f"[{i + 1}/{len(spec.points)}] {point.name}"
+            if not (directory / COST_NAME).exists():
+                cost = time_epoch(config, spec.data_root, loaded[key], epochs=timing_epochs)
+                atomic_write_json(directory / COST_NAME, cost)
+                log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
+                    f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
+            if point_done(out_dir, point):
+                continue
             resume = latest_checkpoint(directory) is not None
             _event(out_dir, point, "resume" if resume else "start")
-            log(f"[{i + 1}/{len(spec.points)}] {point.name}: "
-                f"{'resuming' if resume else 'training'} into {directory}")
+            log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
             try:
                 metrics = Trainer(config, directory, data_root=spec.data_root, resume=resume,
                                   progress=False, splits=loaded[key]).fit()
             except (FloatingPointError, RuntimeError, ValueError) as err:
-                directory.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(directory / "failed.json", {"error": str(err),
                                                               "type": type(err).__name__})
                 _event(out_dir, point, "fail", error=str(err))
                 done["failed"].append(point.name)
-                log(f"[{i + 1}/{len(spec.points)}] {point.name}: failed: {err}")
+                log(f"{tag}: failed: {err}")
                 continue
             headline = f"test_{TASKS.get(config.task).headline}"
             _event(out_dir, point, "finish", **{headline: metrics[headline]})
             done["finished"].append(point.name)
-            log(f"[{i + 1}/{len(spec.points)}] {point.name}: {headline} "
-                f"{metrics[headline]:.4g}")
+            log(f"{tag}: {headline} {metrics[headline]:.4g}")
         finally:
             claim.release()
     return done
@@ -187,19 +226,33 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *,
 # ---------------------------------------------------------------------------------------------
 # cost, results and the front
 
-def training_cost(directory: Path, epochs: int) -> dict[str, float] | None:
-    """``epoch_seconds`` (median of the training epochs after the first), ``hours``
-    (``epochs x`` that) and ``measured_hours`` (the logged epochs' sum), or None."""
+def training_cost(directory: Path, epochs: int) -> dict[str, Any] | None:
+    """A run's cost: ``epochs x`` its timing run's steady-state epoch (``cost.json``, from
+    :func:`time_epoch`) in hours: wall time on a GPU, the process's CPU time on a CPU (a
+    shared CPU's wall time measures the other processes' load as much as the run); and
+    ``measured_hours``, the sum of the training epochs' wall times in ``log.jsonl``. A run
+    without ``cost.json`` is costed from its log (``epochs x`` the median epoch wall time
+    after the first), ``estimate`` says which. None before anything was measured."""
+    out: dict[str, Any] = {}
     log = directory / "log.jsonl"
-    if not log.is_file():
-        return None
-    seconds = [json.loads(line)["seconds"] for line in log.read_text().splitlines()
-               if line.strip()]
-    if not seconds:
-        return None
-    epoch = float(np.median(seconds[1:] if len(seconds) > 1 else seconds))
-    return {"epoch_seconds": epoch, "hours": epochs * epoch / 3600.0,
-            "measured_hours": float(sum(seconds)) / 3600.0}
+    seconds = ([json.loads(line)["seconds"] for line in log.read_text().splitlines()
+                if line.strip()] if log.is_file() else [])
+    if seconds:
+        out["measured_hours"] = float(sum(seconds)) / 3600.0
+    cost = directory / COST_NAME
+    if cost.is_file():
+        timing = json.loads(cost.read_text())
+        gpu = device_kind(timing["device"]) == "GPU"
+        epoch = timing["epoch_seconds"] if gpu else timing["epoch_cpu_seconds"]
+        out.update(epoch_seconds=timing["epoch_seconds"],
+                   epoch_cpu_seconds=timing["epoch_cpu_seconds"],
+                   hours=epochs * epoch / 3600.0,
+                   estimate="timing run, " + ("wall" if gpu else "CPU") + " time")
+    elif seconds:
+        epoch = float(np.median(seconds[1:] if len(seconds) > 1 else seconds))
+        out.update(epoch_seconds=epoch, hours=epochs * epoch / 3600.0,
+                   estimate="training log, wall time")
+    return out or None
 
 
 def device_kind(device: str | None) -> str:
@@ -353,26 +406,33 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     paths = {"csv": out_dir / "results.csv", "markdown": out_dir / "report.md"}
     fields = ["point", "mixer", "blocks", "budget", "seed", "precision", "epochs", "status",
               "error", "error_p_s", "error_tau_x", "error_tau_y", "error_tau_z", "params",
-              "epoch_seconds", "hours", "measured_hours", "device"]
+              "epoch_seconds", "epoch_cpu_seconds", "hours", "estimate", "measured_hours",
+              "device"]
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "pending")}
-    lines = [f"# Error against training cost: {out_dir.name}", "",
-             f"Preset `{spec.base.name}` on `{spec.data_root}`; {len(rows)} runs "
-             f"({counts['done']} done, {counts['failed']} failed, {counts['pending']} pending). "
-             "Error: test normalised MSE x 100 of the 4 standardised channels on every cell "
-             f"of every test surface, in %. Cost: {unit} hours, epochs x the median "
-             "training-epoch wall time after the first epoch (paper Sec. D.4's estimator).",
-             "", "## Every run", ""]
+    summary = (f"Preset `{spec.base.name}` on `{spec.data_root}`; {len(rows)} runs "
+               f"({counts['done']} done, {counts['failed']} failed, {counts['pending']} "
+               "pending). Error: test normalised MSE x 100 of the 4 standardised channels on "
+               f"every cell of every test surface, in %. Cost: {unit} hours, epochs x one "
+               "steady-state training epoch of a separate timing run (paper Sec. D.4's "
+               "estimator; on a CPU the process's CPU time, on a GPU wall time); `trained h` "
+               "is the wall time the run's training epochs took.")
+    lines = [f"# Error against training cost: {out_dir.name}", "", summary, "",
+             "## Every run", ""]
     lines += _markdown(
         ["point", "status", "error %", "p_s", "tau_x", "tau_y", "tau_z", "params",
-         "epoch s", f"{unit} h"],
+         "epoch s", "epoch CPU s", f"{unit} h", "trained h"],
         [[r["point"], r["status"], _fmt(r.get("error")), _fmt(r.get("error_p_s")),
           _fmt(r.get("error_tau_x")), _fmt(r.get("error_tau_y")), _fmt(r.get("error_tau_z")),
           r.get("params") or "-", _fmt(r.get("epoch_seconds"), ".3g"),
-          _fmt(r.get("hours"), ".3g")] for r in rows])
+          _fmt(r.get("epoch_cpu_seconds"), ".3g"), _fmt(r.get("hours"), ".3g"),
+          _fmt(r.get("measured_hours"), ".3g")] for r in rows])
+    estimates = sorted({r["estimate"] for r in rows if r.get("estimate")})
+    if len(estimates) > 1:
+        lines += ["", f"Costs mix estimates ({'; '.join(estimates)}): compare with care."]
     if configs:
         front = pareto_front([c["hours"] for c in configs], [c["error"] for c in configs])
         lines += ["", "## Configurations (mean over seeds) and the Pareto front", ""]
