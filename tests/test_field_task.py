@@ -118,3 +118,25 @@ def test_one_large_mesh_among_small_ones_costs_about_that_mesh(tmp_path):
                              capture_output=True, text=True, check=True)
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])
     assert peaks["mixed"] < 2 * peaks["alone"], peaks
+
+
+def test_far_outside_test_inputs_warn_when_the_task_is_built(tmp_path):
+    """A standardised test input channel 40 training stds away is named in a warning when
+    the task is made (train, eval and infer all build it); in-range data is silent."""
+    import warnings
+
+    from flarepp.tasks.fields import FieldTask
+    data = write_npz(tmp_path, [20, 20, 20], [20, 20])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FieldTask(config(data, input_norm="standard"), data)
+    with np.load(data / "test.npz") as z:
+        arrays = dict(z)
+    arrays["x_1"][3, 1] += 40.0
+    np.savez(data / "test.npz", **arrays)
+    with pytest.warns(UserWarning, match=r"test inputs: channel 1 reaches \|z\| = "):
+        task = FieldTask(config(data, input_norm="standard"), data)
+    assert list(task._check_test_range()) == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # raw inputs are not in std units: not checked
+        FieldTask(config(data, input_norm="none"), data)

@@ -152,12 +152,14 @@ class Normalizer:
         return cls(mean.astype(np.float32), std.astype(np.float32))
 
     def check_range(self, arr_SNK: np.ndarray, mask_SN: np.ndarray | None = None,
-                    what: str = "data", *, limit: float = OUTLIER_Z) -> dict[int, float]:
+                    what: str = "data", *, limit: float = OUTLIER_Z,
+                    channels: list[int] | None = None) -> dict[int, float]:
         """``{channel: max |z|}`` for channels whose normalised values at real points exceed
         ``limit`` training standard deviations; warns naming them ({} and silent if none).
 
         Inputs that far outside the training range are extrapolation: the prediction there
-        is not covered by the reported test error.
+        is not covered by the reported test error. ``channels`` gives the channel numbers to
+        report (default ``0, 1, ...``) when this normaliser covers a subset of a sample's.
         """
         flat = np.asarray(arr_SNK).reshape(-1, arr_SNK.shape[-1])
         if mask_SN is not None:
@@ -165,7 +167,8 @@ class Normalizer:
         if flat.size == 0:
             return {}
         z = np.abs((flat.astype(np.float64) - self.mean) / self.std).max(0)
-        far = {int(k): float(z[k]) for k in np.flatnonzero(z > limit)}
+        names = list(range(flat.shape[-1])) if channels is None else list(channels)
+        far = {int(names[k]): float(z[k]) for k in np.flatnonzero(z > limit)}
         if far:
             listed = ", ".join(f"channel {k} reaches |z| = {v:.1f}" for k, v in far.items())
             warnings.warn(f"{what}: {listed} (training std units, limit {limit:g}); these "

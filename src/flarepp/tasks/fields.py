@@ -285,7 +285,7 @@ class FieldTask(Task):
         # A grid loss sees whole grids: padded nodes of a masked grid stay in place, masked.
         self.keeps_grid = self.loss_fn.needs_grid and train.mask is not None
         self._set_normalizers(fit_input_normalizer(train.x, train.mask, self.input_norm),
-                              Normalizer.fit(train.y, train.mask))
+                              Normalizer.fit(train.y, train.mask, what="output"))
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -341,6 +341,19 @@ class FieldTask(Task):
         if train.mask is not None:
             x_n, y_n = x_n * train.mask[..., None], y_n * train.mask[..., None]
         self._train_normalised = (x_n, y_n)
+        self._check_test_range()
+
+    def _check_test_range(self) -> dict[int, float]:
+        """Warn (:meth:`Normalizer.check_range`) when standardised test inputs lie far
+        outside the training range; channels under ``none`` or ``bbox`` are not in training
+        standard deviations and are left out. Returns ``{channel: max |z|}``."""
+        standard = [k for k, r in enumerate(self.input_norm) if r == "standard"]
+        test = self.splits.test
+        if not standard or test.x.shape[0] == 0:
+            return {}
+        part = Normalizer(self.x_norm.mean[standard], self.x_norm.std[standard])
+        return part.check_range(test.x[..., standard], test.mask, channels=standard,
+                                what=f"{self.splits.source or self.config.dataset} test inputs")
 
     # -- data ----------------------------------------------------------------------------
     def samples(self, split: str) -> MeshSamples:
