@@ -13,6 +13,9 @@ import os
 
 import torch
 
+HOST = torch.device("cpu")
+"""The host: where checkpoints are staged when read (so a run saved on a GPU loads on a
+machine without one, and the other way round) and where streamed hidden states may live."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE_HELP = ("auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda or "
@@ -30,7 +33,7 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() \
-            else torch.device("cpu")  # the fallback of auto
+            else HOST  # the fallback of auto
     try:
         device = torch.device(spec)
     except RuntimeError:

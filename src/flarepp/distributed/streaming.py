@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from flarepp.device import HOST
 from flarepp.distributed.encoder import merge_across_ranks
 from flarepp.distributed.shardable import (check_token_shardable, install_backend,
                                             restore_backends)
@@ -180,14 +181,13 @@ def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
     its budget, else host memory if it fits there, else a memory-mapped file."""
     if hidden_on != "auto":
         return hidden_on
-    host = torch.device("cpu")
-    if device != host:
+    if device != HOST:
         budget = (memory_budget if memory_budget is not None
                   else HIDDEN_BUDGET_FRACTION * _available_bytes(device))
         if nbytes <= budget:
             return "device"
     budget = (memory_budget if memory_budget is not None
-              else HIDDEN_BUDGET_FRACTION * _available_bytes(host))
+              else HIDDEN_BUDGET_FRACTION * _available_bytes(HOST))
     return "host" if nbytes <= budget else "memmap"
 
 

@@ -158,6 +158,20 @@ def pad_stack(arrays: list[np.ndarray], length: int, fill: float | int = 0) -> n
     return out
 
 
+def collate_point_clouds(items: list[Item], lengths: list[int], *,
+                         masked: bool) -> dict[str, torch.Tensor]:
+    """Items with per-point ``x [n_i, I]`` and ``y [n_i, O]`` and an ``index`` -> one batch,
+    padded to the batch's own largest ``n_i`` (never the dataset's); ``mask [B, N]`` (True at
+    real points) when ``masked`` (variable sizes)."""
+    n = max(lengths)
+    batch = {"x": torch.from_numpy(pad_stack([it["x"] for it in items], n)),
+             "y": torch.from_numpy(pad_stack([it["y"] for it in items], n)),
+             "index": torch.tensor([int(it["index"]) for it in items])}
+    if masked:
+        batch["mask"] = torch.from_numpy(np.arange(n)[None, :] < np.asarray(lengths)[:, None])
+    return batch
+
+
 def gather_records(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate per-batch (or per-rank) records and order them by sample ``index``.
 

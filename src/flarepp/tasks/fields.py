@@ -32,7 +32,7 @@ from flarepp.data import DataError, DatasetSplits, MeshSamples, Normalizer, load
 from flarepp.io import atomic_write
 from flarepp.models import build_model
 from flarepp.registry import Registry
-from flarepp.tasks.base import Batch, Item, Task, TokenSum, pad_stack
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
 from flarepp.tasks.registry import TASKS
 
 
@@ -386,16 +386,11 @@ class FieldTask(Task):
         return int(item["x"].shape[0])
 
     def collate(self, items: list[Item]) -> Batch:
-        lengths = [self.item_size(it) for it in items]
-        n = max(lengths)
-        batch = {"x": torch.from_numpy(pad_stack([it["x"] for it in items], n)),
-                 "y": torch.from_numpy(pad_stack([it["y"] for it in items], n)),
-                 "index": torch.tensor([int(it["index"]) for it in items])}
-        if "mask" in items[0]:  # whole grids with their own masks
+        own_masks = "mask" in items[0]  # whole grids with their own masks
+        batch = collate_point_clouds(items, [self.item_size(it) for it in items],
+                                     masked=self.variable_n and not own_masks)
+        if own_masks:
             batch["mask"] = torch.from_numpy(np.stack([it["mask"] for it in items]))
-        elif self.variable_n:
-            mask = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
-            batch["mask"] = torch.from_numpy(mask)
         return batch
 
     # -- model ---------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
                                     WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
 from flarepp.io import atomic_write, atomic_write_json
 from flarepp.models import build_model
-from flarepp.tasks.base import Batch, Item, Task, TokenSum, pad_stack
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
 from flarepp.tasks.registry import TASKS
 
 DATASET = "drivaerml"
@@ -246,14 +246,7 @@ class SurfaceTask(Task):
 
     def collate(self, items: list[Item]) -> Batch:
         lengths = [self.item_size(it) for it in items]
-        n = max(lengths)
-        batch = {"x": torch.from_numpy(pad_stack([it["x"] for it in items], n)),
-                 "y": torch.from_numpy(pad_stack([it["y"] for it in items], n)),
-                 "index": torch.tensor([int(it["index"]) for it in items])}
-        if len(set(lengths)) > 1:
-            batch["mask"] = torch.from_numpy(np.arange(n)[None, :]
-                                             < np.asarray(lengths)[:, None])
-        return batch
+        return collate_point_clouds(items, lengths, masked=len(set(lengths)) > 1)
 
     def eval_batch_size(self) -> int:
         """One whole surface per evaluation batch (C.1: one geometry per forward)."""

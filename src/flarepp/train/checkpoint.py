@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from flarepp.data import Normalizer
+from flarepp.device import HOST
 from flarepp.io import atomic_write, is_temporary
 from flarepp.models import model_from_config
 from flarepp.train.config import RunConfig
@@ -93,7 +94,7 @@ def _load(path: Path) -> Any:
         with warnings.catch_warnings():
             # torch's note on a foreign file's pickle protocol adds nothing to the error below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location=HOST, weights_only=True)
     except pickle.UnpicklingError as err:
         if "weights only" in str(err).lower() or "weights_only" in str(err):
             raise CheckpointError(
