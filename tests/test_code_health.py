@@ -82,6 +82,25 @@ def test_model_configs_share_one_base(arch):
         flarepp.build_model(arch, in_dim=2, out_dim=1, blocks=0)
 
 
+def test_sequence_model_configs_share_the_stack_base():
+    """The decoder LM's and the LRA classifier's configs derive from SequenceStackConfig
+    (C, H, B, norm, mixer, latents, FFN ratio, SDPA scale), which writes ``to_dict`` and
+    checks the shared fields. Fails before the change: both repeated those fields."""
+    from flarepp.models.backbone import SequenceStackConfig, StackConfig
+    from flarepp.models.causal_lm import CausalLMConfig
+    from flarepp.models.sequence import SequenceClassifierConfig
+    for cls in (CausalLMConfig, SequenceClassifierConfig):
+        assert issubclass(cls, SequenceStackConfig) and "to_dict" not in vars(cls)
+        assert not set(vars(cls).get("__annotations__", {})) & set(
+            SequenceStackConfig.__annotations__) - {"mixer", "blocks", "latents", "ffn_ratio"}
+    assert issubclass(ModelConfig, StackConfig)
+    with pytest.raises(ValueError, match="causal-lm: dim=30 must be divisible by heads=4"):
+        CausalLMConfig(dim=30, heads=4)
+    with pytest.raises(ValueError, match="sequence-classifier: ffn_ratio must be positive"):
+        SequenceClassifierConfig(vocab_size=4, num_classes=2, max_length=8, ffn_ratio=0)
+    assert CausalLMConfig().to_dict()["arch"] == "causal-lm"
+
+
 # ---------------------------------------------------------------------------------------------
 # one latent self-attention block
 

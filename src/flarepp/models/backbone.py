@@ -72,7 +72,7 @@ class Block(nn.Module):
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class StackConfig:
     """Settings every architecture shares (Table 7: C=128, H=8; Table 8: B blocks).
 
     A subclass names its architecture in ``arch`` (the :data:`~flarepp.models.MODELS` key
@@ -82,10 +82,8 @@ class ModelConfig:
     """
 
     arch: ClassVar[str] = ""
-    positive: ClassVar[tuple[str, ...]] = ("in_dim", "out_dim", "dim", "heads", "blocks")
+    positive: ClassVar[tuple[str, ...]] = ("dim", "heads", "blocks")
 
-    in_dim: int
-    out_dim: int
     dim: int = 128
     heads: int = 8
     blocks: int = 8
@@ -99,6 +97,37 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"arch": self.arch, **asdict(self)}
+
+
+@dataclass(kw_only=True)
+class ModelConfig(StackConfig):
+    """A point-cloud architecture: ``in_dim`` input and ``out_dim`` output channels per
+    point."""
+
+    positive = ("in_dim", "out_dim", *StackConfig.positive)
+
+    in_dim: int
+    out_dim: int
+
+
+@dataclass(kw_only=True)
+class SequenceStackConfig(StackConfig):
+    """A stack of pre-norm blocks around a registered ``mixer`` (with ``latents``,
+    ``attn_scale`` and ``mixer_options``) and a GELU FFN of ratio ``ffn_ratio``, over token
+    sequences: the decoder LM and the LRA classifier."""
+
+    positive = (*StackConfig.positive, "latents")
+
+    mixer: str = "flarepp"
+    latents: int = 64
+    ffn_ratio: float = 2.0
+    attn_scale: float | None = None
+    mixer_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ffn_ratio <= 0:
+            raise ValueError(f"{self.arch}: ffn_ratio must be positive, got {self.ffn_ratio}")
 
 
 @dataclass(kw_only=True)

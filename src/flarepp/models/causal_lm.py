@@ -26,8 +26,7 @@ Shape letters: B batch, N tokens, C width, V vocabulary (256: bytes).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,7 +34,7 @@ from torch import nn
 from flarepp.mixers import MIXERS, build_mixer
 from flarepp.mixers.base import check_tokens
 from flarepp.models import MODELS
-from flarepp.models.backbone import Block, init_backbone_weights
+from flarepp.models.backbone import Block, SequenceStackConfig, init_backbone_weights
 from flarepp.ops import make_norm
 from flarepp.validate import require_positive
 
@@ -46,34 +45,27 @@ def causal_mixers() -> list[str]:
 
 
 @dataclass(kw_only=True)
-class CausalLMConfig:
+class CausalLMConfig(SequenceStackConfig):
     """Decoder settings; ``in_dim`` / ``out_dim`` switch to feature inputs / outputs."""
+
+    arch = "causal-lm"
+    positive = (*SequenceStackConfig.positive, "vocab_size")
 
     vocab_size: int = 256
     in_dim: int | None = None
     out_dim: int | None = None
     mixer: str = "flare-causal"
-    dim: int = 128
-    heads: int = 8
     blocks: int = 4
-    latents: int = 64
-    norm: str = "layernorm"
-    ffn_ratio: float = 2.0
-    attn_scale: float | None = None
-    mixer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        require_positive(self, ("vocab_size", "dim", "heads", "blocks", "latents"), "causal-lm")
+        super().__post_init__()
         for name in ("in_dim", "out_dim"):
             if getattr(self, name) is not None:
-                require_positive(self, (name,), "causal-lm")
+                require_positive(self, (name,), self.arch)
         known = causal_mixers()
         if self.mixer not in known:
             raise ValueError(f"causal-lm: mixer {self.mixer!r} is not a causal mixer; "
                              f"causal mixers: {', '.join(known)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "causal-lm", **asdict(self)}
 
 
 class CausalBlock(Block):

@@ -37,16 +37,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from flarepp.mixers import build_mixer
-from flarepp.models.backbone import Block, init_backbone_weights
+from flarepp.models.backbone import Block, SequenceStackConfig, init_backbone_weights
 from flarepp.ops import make_norm
-from flarepp.validate import require_positive
 
 # -- positional embeddings: h + P[:N] ------------------------------------------------------
 
@@ -174,22 +172,19 @@ def _require_choice(kind: str, value: str, choices: dict) -> None:
 
 
 @dataclass(kw_only=True)
-class SequenceClassifierConfig:
+class SequenceClassifierConfig(SequenceStackConfig):
     """Settings of :class:`SequenceClassifier`; ``max_length`` bounds N per document
     (without the CLS token), ``ffn_ratio`` is the reference's MLP ratio."""
+
+    arch = "sequence-classifier"
+    positive = (*SequenceStackConfig.positive, "vocab_size", "max_length")
 
     vocab_size: int
     num_classes: int
     max_length: int
-    mixer: str = "flarepp"
-    dim: int = 128
-    heads: int = 8
     blocks: int = 4
     latents: int = 128
-    norm: str = "layernorm"
     ffn_ratio: float = 4.0
-    attn_scale: float | None = None
-    mixer_options: dict[str, Any] = field(default_factory=dict)
     pooling: str = "mean"
     positional: str = "learned"
     head: str = "mlp"
@@ -199,24 +194,14 @@ class SequenceClassifierConfig:
     head_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        require_positive(self, ("vocab_size", "max_length", "dim", "heads", "blocks",
-                                "latents"), owner="sequence-classifier")
-        if self.dim % self.heads:
-            raise ValueError(f"sequence-classifier: dim={self.dim} must be divisible by "
-                             f"heads={self.heads}")
+        super().__post_init__()
         if self.num_classes < 2:
             raise ValueError(f"sequence-classifier: num_classes must be >= 2, "
                              f"got {self.num_classes}")
-        if self.ffn_ratio <= 0:
-            raise ValueError(f"sequence-classifier: ffn_ratio must be positive, "
-                             f"got {self.ffn_ratio}")
         _require_choice("pooling", self.pooling, POOLINGS)
         _require_choice("positional embedding", self.positional, POSITIONAL)
         _require_choice("head", self.head, HEADS)
         _require_choice("tower combination", self.tower_combine, TOWER_COMBINES)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arch": "sequence-classifier", **asdict(self)}
 
 
 def check_token_ids(tokens: torch.Tensor, mask: torch.Tensor | None, max_length: int,
