@@ -31,8 +31,6 @@ import csv
 import dataclasses
 import json
 import math
-import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +38,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flarepp.experiments.sweep import Point, point_done, run_dir
+from flarepp.experiments.sweep import (Point, claimed_points, point_done, record_event,
+                                       run_dir, train_point)
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.train.config import RunConfig, apply_overrides
 
 SPEC_NAME = "pareto.json"
-EVENTS_NAME = "events.jsonl"
 COST_NAME = "cost.json"
 ANCHOR_MIXER = "abupt"
 MIXER_LABELS = {"flare": "FLARE", "flarepp": "FLARE++", "abupt": "AB-UPT"}
@@ -126,13 +124,6 @@ def open_pareto(out_dir: str | Path, spec: ParetoSpec | None) -> ParetoSpec:
 # ---------------------------------------------------------------------------------------------
 # running
 
-def _event(out_dir: Path, point: Point, event: str, **extra: Any) -> None:
-    record = {"point": point.name, "event": event, "pid": os.getpid(),
-              "host": socket.gethostname(), "time": time.time(), **extra}
-    with open(out_dir / EVENTS_NAME, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def time_epoch(config: RunConfig, data_root: str, splits: Any, *, epochs: int = 2
                ) -> dict[str, Any]:
     """A separate timing run (D.4): ``epochs`` training epochs of ``config`` from scratch in a
@@ -166,8 +157,6 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *, timing_epochs: int = 2,
     "failed", "skipped"}`` point names."""
     from flarepp.data import load_dataset
     from flarepp.tasks import TASKS
-    from flarepp.train import Trainer, latest_checkpoint
-    from flarepp.train.rundir import RunLock, RunLocked
     out_dir = Path(out_dir)
     loaded: dict[str, Any] = {}
     done: dict[str, list[str]] = {"finished": [], "failed": [], "skipped": []}
@@ -175,51 +164,29 @@ def run_pareto(spec: ParetoSpec, out_dir: str | Path, *, timing_epochs: int = 2,
     def complete(point: Point) -> bool:
         return point_done(out_dir, point) and (run_dir(out_dir, point) / COST_NAME).exists()
 
-    for i, point in enumerate(spec.points):
-        if complete(point):
+    for i, point in claimed_points(out_dir, spec.points, complete, done["skipped"]):
+        config = spec.config(point)
+        key = json.dumps([config.dataset, config.dataset_options])
+        if key not in loaded:  # one reader (and one statistics pass) for every point
+            loaded[key] = load_dataset(config.dataset, spec.data_root,
+                                       **config.dataset_options)
+        directory = run_dir(out_dir, point)
+        tag = f"[{i + 1}/{len(spec.points)}] {point.name}"
+        if not (directory / COST_NAME).exists():
+            cost = time_epoch(config, spec.data_root, loaded[key], epochs=timing_epochs)
+            atomic_write_json(directory / COST_NAME, cost)
+            log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
+                f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
+        if point_done(out_dir, point):
             continue
-        claim = RunLock(out_dir / "claims" / point.name)
-        try:
-            claim.acquire()
-        except RunLocked:
-            done["skipped"].append(point.name)
+        metrics = train_point(config, out_dir, point, spec.data_root, loaded[key], tag, done,
+                              log)
+        if metrics is None:
             continue
-        try:
-            if complete(point):
-                continue
-            config = spec.config(point)
-            key = json.dumps([config.dataset, config.dataset_options])
-            if key not in loaded:  # one reader (and one statistics pass) for every point
-                loaded[key] = load_dataset(config.dataset, spec.data_root,
-                                           **config.dataset_options)
-            directory = run_dir(out_dir, point)
-            tag = f"[{i + 1}/{len(spec.points)}] {point.name}"
-            if not (directory / COST_NAME).exists():
-                cost = time_epoch(config, spec.data_root, loaded[key], epochs=timing_epochs)
-                atomic_write_json(directory / COST_NAME, cost)
-                log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
-                    f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
-            if point_done(out_dir, point):
-                continue
-            resume = latest_checkpoint(directory) is not None
-            _event(out_dir, point, "resume" if resume else "start")
-            log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
-            try:
-                metrics = Trainer(config, directory, data_root=spec.data_root, resume=resume,
-                                  progress=False, splits=loaded[key]).fit()
-            except (FloatingPointError, RuntimeError, ValueError) as err:
-                atomic_write_json(directory / "failed.json", {"error": str(err),
-                                                              "type": type(err).__name__})
-                _event(out_dir, point, "fail", error=str(err))
-                done["failed"].append(point.name)
-                log(f"{tag}: failed: {err}")
-                continue
-            headline = f"test_{TASKS.get(config.task).headline}"
-            _event(out_dir, point, "finish", **{headline: metrics[headline]})
-            done["finished"].append(point.name)
-            log(f"{tag}: {headline} {metrics[headline]:.4g}")
-        finally:
-            claim.release()
+        headline = f"test_{TASKS.get(config.task).headline}"
+        record_event(out_dir, point, "finish", **{headline: metrics[headline]})
+        done["finished"].append(point.name)
+        log(f"{tag}: {headline} {metrics[headline]:.4g}")
     return done
 
 

@@ -40,7 +40,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -190,7 +190,7 @@ def point_done(out_dir: Path, point: Point) -> bool:
     return (d / "metrics.json").exists() or (d / "failed.json").exists()
 
 
-def _event(out_dir: Path, point: Point, event: str, **extra: Any) -> None:
+def record_event(out_dir: Path, point: Point, event: str, **extra: Any) -> None:
     record = {"point": point.name, "event": event, "pid": os.getpid(),
               "host": socket.gethostname(), "time": time.time(), **extra}
     fd = os.open(out_dir / EVENTS_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
@@ -200,6 +200,54 @@ def _event(out_dir: Path, point: Point, event: str, **extra: Any) -> None:
         os.close(fd)
 
 
+def claimed_points(out_dir: Path, points: list[Point], complete: Callable[[Point], bool],
+                   skipped: list[str]) -> Iterator[tuple[int, Point]]:
+    """``(i, point)`` for each point not ``complete`` whose claim this process takes.
+
+    The claim (a :class:`~flarepp.train.rundir.RunLock` under ``out_dir/claims``) is held
+    while the caller works on the point and released when the caller asks for the next
+    one; a point held by another process is appended to ``skipped``. ``complete`` is
+    checked again once claimed: another process may have finished the point in between."""
+    from flarepp.train.rundir import RunLock, RunLocked
+    for i, point in enumerate(points):
+        if complete(point):
+            continue
+        claim = RunLock(out_dir / "claims" / point.name)
+        try:
+            claim.acquire()
+        except RunLocked:
+            skipped.append(point.name)
+            continue
+        try:
+            if not complete(point):
+                yield i, point
+        finally:
+            claim.release()
+
+
+def train_point(config: Any, out_dir: Path, point: Point, data_root: Any, splits: Any,
+                tag: str, done: dict[str, list[str]],
+                log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Train (or resume) one claimed point into its run directory; a run that fails
+    numerically gets ``failed.json`` and an event, and None is returned."""
+    from flarepp.train import Trainer, latest_checkpoint
+    directory = run_dir(out_dir, point)
+    resume = latest_checkpoint(directory) is not None
+    record_event(out_dir, point, "resume" if resume else "start")
+    log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
+    try:
+        return Trainer(config, directory, data_root=data_root, resume=resume,
+                       progress=False, splits=splits).fit()
+    except (FloatingPointError, RuntimeError, ValueError) as err:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(directory / "failed.json", {"error": str(err),
+                                                      "type": type(err).__name__})
+        record_event(out_dir, point, "fail", error=str(err))
+        done["failed"].append(point.name)
+        log(f"{tag}: failed: {err}")
+        return None
+
+
 def run_sweep(spec: SweepSpec, out_dir: str | Path, *,
               log: Callable[[str], None] = print) -> dict[str, list[str]]:
     """Train every unclaimed, unfinished point of ``spec`` into ``out_dir``.
@@ -207,52 +255,25 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, *,
     Returns ``{"finished", "failed", "skipped"}`` point names of this process (``skipped``:
     held by another process when this one reached them)."""
     from flarepp.data import load_dataset
-    from flarepp.train import Trainer, latest_checkpoint
-    from flarepp.train.rundir import RunLock, RunLocked
     out_dir = Path(out_dir)
     points = spec.points()
     splits_cache: dict[str, Any] = {}
     done: dict[str, list[str]] = {"finished": [], "failed": [], "skipped": []}
-    for i, point in enumerate(points):
-        if point_done(out_dir, point):
+    for i, point in claimed_points(out_dir, points, lambda p: point_done(out_dir, p),
+                                   done["skipped"]):
+        config = spec.config(point)
+        key = json.dumps([config.dataset, config.dataset_options, spec.data_root])
+        if key not in splits_cache:
+            splits_cache[key] = load_dataset(config.dataset, spec.data_root,
+                                             **config.dataset_options)
+        tag = f"[{i + 1}/{len(points)}] {point.name}"
+        metrics = train_point(config, out_dir, point, spec.data_root, splits_cache[key], tag,
+                              done, log)
+        if metrics is None:
             continue
-        claim = RunLock(out_dir / "claims" / point.name)
-        try:
-            claim.acquire()
-        except RunLocked:
-            done["skipped"].append(point.name)
-            continue
-        try:
-            if point_done(out_dir, point):  # finished between the check and the claim
-                continue
-            config = spec.config(point)
-            key = json.dumps([config.dataset, config.dataset_options, spec.data_root])
-            if key not in splits_cache:
-                splits_cache[key] = load_dataset(config.dataset, spec.data_root,
-                                                 **config.dataset_options)
-            directory = run_dir(out_dir, point)
-            resume = latest_checkpoint(directory) is not None
-            _event(out_dir, point, "resume" if resume else "start")
-            log(f"[{i + 1}/{len(points)}] {point.name}: "
-                f"{'resuming' if resume else 'training'} into {directory}")
-            try:
-                trainer = Trainer(config, directory, data_root=spec.data_root, resume=resume,
-                                  progress=False, splits=splits_cache[key])
-                metrics = trainer.fit()
-            except (FloatingPointError, RuntimeError, ValueError) as err:
-                directory.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(directory / "failed.json", {"error": str(err),
-                                                              "type": type(err).__name__})
-                _event(out_dir, point, "fail", error=str(err))
-                done["failed"].append(point.name)
-                log(f"[{i + 1}/{len(points)}] {point.name}: failed: {err}")
-                continue
-            _event(out_dir, point, "finish", test_rel_l2=metrics.get("test_rel_l2"))
-            done["finished"].append(point.name)
-            log(f"[{i + 1}/{len(points)}] {point.name}: test rel L2 "
-                f"{100 * metrics['test_rel_l2']:.3f}%")
-        finally:
-            claim.release()
+        record_event(out_dir, point, "finish", test_rel_l2=metrics.get("test_rel_l2"))
+        done["finished"].append(point.name)
+        log(f"{tag}: test rel L2 {100 * metrics['test_rel_l2']:.3f}%")
     return done
 
 
