@@ -97,7 +97,13 @@ def bench_table(folder: Path) -> str:
     return "\n".join(rows)
 
 
+RANK_THRESHOLDS = (0.15, 0.10, 0.09)
+
+
 def rank_table(folder: Path, figures: Path) -> str:
+    """Per variant over seeds: final error, epochs (and seconds) to reach fixed errors, and
+    the per-step loss just before and after each growth, next to fixed M = 16 on the same
+    seed (the same batches; the two runs are the same model until the first growth)."""
     path = folder / "summary.json"
     if not path.is_file():
         return "(no rank-growth results)"
@@ -105,17 +111,40 @@ def rank_table(folder: Path, figures: Path) -> str:
     if (folder / "rank_growth.png").is_file():
         figures.mkdir(parents=True, exist_ok=True)
         shutil.copy(folder / "rank_growth.png", figures / "rank_growth.png")
-    targets = sorted({round(s["final_test_rel_l2"] * 1.05, 4) for s in summary.values()})
-    rows = ["| run | final test rel. L2 | training s | "
-            + " | ".join(f"epoch (s) to reach {t:.4f}" for t in targets) + " |",
-            "|---|---|---|" + "---|" * len(targets)]
-    for name, s in summary.items():
+    variants: dict[str, list[str]] = {}
+    for name in summary:
+        variants.setdefault(name.rsplit("-s", 1)[0], []).append(name)
+    rows = ["| run | seeds | final test rel. L2, per seed | mean | "
+            + " | ".join(f"epochs (s) to {t}" for t in RANK_THRESHOLDS) + " |",
+            "|---|---|---|---|" + "---|" * len(RANK_THRESHOLDS)]
+    for variant, names in variants.items():
+        finals = [summary[n]["final_test_rel_l2"] for n in names]
         cells = []
-        for t in targets:
-            hit = [i for i, e in enumerate(s["test_rel_l2"]) if e <= t]
-            cells.append(f"{hit[0] + 1} ({s['seconds'][hit[0]]:.0f})" if hit else "-")
-        rows.append(f"| {name} | {s['final_test_rel_l2']:.4f} | {s['total_seconds']:.0f} | "
-                    + " | ".join(cells) + " |")
+        for t in RANK_THRESHOLDS:
+            hits = []
+            for n in names:
+                reached = [i for i, e in enumerate(summary[n]["test_rel_l2"]) if e <= t]
+                hits.append(f"{reached[0] + 1} ({summary[n]['seconds'][reached[0]]:.0f})"
+                            if reached else "-")
+            cells.append(", ".join(hits))
+        rows.append(f"| {variant} | {len(names)} | {', '.join(f'{v:.4f}' for v in finals)} | "
+                    f"{np.mean(finals):.4f} | " + " | ".join(cells) + " |")
+    rows += ["", "| seed | growth | grown run: mean loss of the 10 steps before / after, "
+             "first step after | fixed M = 16: the same |", "|---|---|---|---|"]
+    for name in sorted(n for n in summary if n.startswith("grow")):
+        seed = name.rsplit("-s", 1)[1]
+        fixed = folder / f"fixed-M16-s{seed}" / "steps.jsonl"
+        runs = [folder / name / "steps.jsonl", fixed]
+        if not all(r.is_file() for r in runs):
+            continue
+        steps = [[json.loads(x) for x in r.read_text().splitlines()] for r in runs]
+        for epoch, what in ((6, "16 -> 32"), (11, "32 -> 64")):
+            cells = []
+            for run in steps:
+                before = [x["loss"] for x in run if x["epoch"] == epoch - 1][-10:]
+                after = [x["loss"] for x in run if x["epoch"] == epoch][:10]
+                cells.append(f"{np.mean(before):.4f} / {np.mean(after):.4f}, {after[0]:.4f}")
+            rows.append(f"| {seed} | {what} (epoch {epoch}) | {cells[0]} | {cells[1]} |")
     return "\n".join(rows)
 
 

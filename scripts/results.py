@@ -17,9 +17,9 @@ Studies (``-tiny`` presets; the mixer studies shortened further to fit two loade
   1.0 and 1/sqrt(D), 3 seeds, under flarepp's earlier protocol (MSE of normalised outputs,
   standardised inputs, decay on every parameter, fixed beta1) and under the FLARE study's
   (the presets' default);
-* ``mixers-darcy`` (10 epochs) and ``mixers-elasticity`` (100 training samples, 12
-  epochs), B = 1, 2: FLARE, FLARE++ and simplified FLARE++, 3 seeds, each mixer at its
-  reference scale.
+* ``mixers-darcy`` (10 epochs) and ``mixers-elasticity`` (the preset's 200 training
+  samples and 25 epochs), B = 1, 2: FLARE, FLARE++ and simplified FLARE++, 3 seeds, each
+  mixer at its reference scale.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ STUDIES = [
     Study("mixers-darcy", "darcy-tiny", "darcy", [MIXERS, "model.blocks=1,2", "seed=0,1,2"],
           ["epochs=10"], "Darcy (200 / 100 samples, 22 x 22 grid, 10 epochs)"),
     Study("mixers-elasticity", "elasticity-tiny", "elasticity",
-          [MIXERS, "model.blocks=1,2", "seed=0,1,2"],
-          ["epochs=12", "dataset_options.n_train=100"],
-          "Elasticity (100 / 50 samples, 972 points, 12 epochs)"),
+          [MIXERS, "model.blocks=1,2", "seed=0,1,2"], [],
+          "Elasticity (200 / 50 samples, 972 points, 25 epochs)"),
 ]
 DATA = {"darcy": ["--train", "200", "--test", "100"],
         "elasticity": ["--train", "200", "--test", "50"]}
