@@ -58,6 +58,30 @@ def test_eval_reproduces_metrics_from_checkpoint(darcy_dir, tmp_path):
     assert list((tmp_path / "run").glob("case_*.png"))
 
 
+def test_plot_of_a_stopped_run_predicts_from_its_checkpoint(darcy_dir, tmp_path, capsys):
+    """`flarepp plot --device cpu` on a run stopped with --stop-after (no final outputs)
+    predicts the test split from the newest checkpoint, says so with the checkpoint's test
+    metric (equal to `flarepp eval`'s), and draws the cases; with no checkpoint either it
+    is an error sentence."""
+    from flarepp.train import evaluate_checkpoint
+    config = get_preset("darcy-tiny", TINY)
+    run = tmp_path / "stopped"
+    assert train(config, run, data_root=darcy_dir, progress=False, stop_after=1) is None
+    assert not (run / "metrics.json").exists() and not (run / "test_predictions.npz").exists()
+    assert cli(["plot", str(run), "--device", "cpu", "--cases", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "is unfinished: predicted its outputs from" in err
+    expected = evaluate_checkpoint(latest_checkpoint(run), device="cpu")["test_rel_l2"]
+    assert f"test_rel_l2 {expected:.6g}" in err
+    assert (run / "test_predictions.npz").is_file()
+    assert len(list(run.glob("case_*.png"))) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    assert cli(["plot", str(empty)]) != 0
+    assert "no readable checkpoint" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_training_runs(darcy_dir, tmp_path, precision):
     """bf16/fp16 autocast (with a gradient scaler for fp16) trains with RMSNorm to finite

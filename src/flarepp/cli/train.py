@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, check_output
@@ -86,7 +87,22 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from flarepp.plots import plot_run_dir
-    for path in plot_run_dir(args.run_dir, cases=args.cases):
+    run_dir = Path(args.run_dir)
+    if (run_dir / "config.json").is_file() and not (run_dir / "metrics.json").is_file():
+        # A run stopped before its end has no final outputs: predict them from its newest
+        # readable checkpoint (the only step of `plot` that runs a model, on --device).
+        from flarepp.train.checkpoint import newest_readable_checkpoint
+        from flarepp.train.evaluate import write_checkpoint_outputs
+        found = newest_readable_checkpoint(run_dir)
+        if found.path is None:
+            raise CLIError(f"{str(run_dir)!r} has no finished outputs and no readable "
+                           "checkpoint to predict them from")
+        metrics = write_checkpoint_outputs(found.path, run_dir, device=args.device,
+                                           chunk_size=args.chunk_size)
+        shown = ", ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+        print(f"{run_dir} is unfinished: predicted its outputs from {found.path} ({shown})",
+              file=sys.stderr)
+    for path in plot_run_dir(run_dir, cases=args.cases):
         print(path)
     return 0
 
@@ -143,6 +159,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("plot", help="prediction and curve figures of a run directory")
     g.add_argument("run_dir")
     g.add_argument("--cases", type=int, default=3)
+    g.add_argument("--device", default="auto",
+                   help=DEVICE_HELP + "; used only for a run stopped before its end, whose "
+                   "test outputs are predicted from its newest checkpoint first")
+    g.add_argument("--chunk-size", type=int, default=None, metavar="K",
+                   help="with such a run: stream each sample K tokens at a time")
     g.set_defaults(func=_plot)
 
     s = sub.add_parser("presets", help="list the training presets")

@@ -73,4 +73,31 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     return metrics
 
 
-__all__ = ["evaluate_checkpoint", "load_for_evaluation", "relative_l2"]
+def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
+                             data_root: str | Path | None = None,
+                             device: str | torch.device | None = "auto",
+                             chunk_size: int | None = None) -> dict[str, Any]:
+    """Evaluate a checkpoint's EMA model on the task's first evaluation split and write the
+    files a finished run leaves for its figures (``Task.write_outputs``: test predictions,
+    the figure's case) into ``out_dir``; returns that split's metrics. ``flarepp plot``
+    uses it for a run stopped before its end."""
+    from flarepp.train.batching import to_device
+    model, task, config, _state = load_for_evaluation(path, data_root=data_root,
+                                                      device=device)
+    device = next(model.parameters()).device
+    engine = Engine(task, device, config.precision, chunk_size=chunk_size,
+                    workers=config.workers(device.type))
+    split = task.eval_splits[0]
+    result, records = engine.evaluate(model, split, task.eval_batch_size())
+    predictions = {}
+    for index in task.cases_to_predict(split, records):
+        batch = to_device(task.collate([task.get(split, index, index, training=False)]),
+                          device)
+        predictions[index] = engine.predict(model, batch)[0].float().cpu().numpy()
+    extra = {"predictions": predictions} if predictions else {}
+    task.write_outputs(Path(out_dir), split, records, **extra)
+    return {f"{split}_{task.headline}": result[task.headline]}
+
+
+__all__ = ["evaluate_checkpoint", "load_for_evaluation", "relative_l2",
+           "write_checkpoint_outputs"]
