@@ -54,11 +54,16 @@ class LowRankRouting(Mixer, abc.ABC):
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        queries, keys, values = self.route(self.key_value_proj(x), mask)
+        queries, keys, values = self.route_tokens(x, mask)
         latents = self.backend.encode(queries, keys, values, mask,
                                       scale=self.config.attn_scale)             # Z [B,H,M,D]
         y = self.decode_tokens(keys, queries, latents, mask)                    # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
+
+    def route_tokens(self, x: torch.Tensor, mask: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(Q, K, V)`` from the (masked) tokens: :meth:`route` of ``key_value_proj(x)``."""
+        return self.route(self.key_value_proj(x), mask)
 
     def decode_tokens(self, keys: torch.Tensor, queries: torch.Tensor, latents: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
@@ -142,6 +147,21 @@ class FLAREPP(LowRankRouting):
         keys = self.heads_first(self.routing_key_norm(keys))
         queries = self.routing_queries(synthesis_keys, mask, keys.shape[0])
         return queries, keys, self.heads_first(values)
+
+    def route_tokens(self, x, mask):
+        """:meth:`route` with the synthesis keys projected first and alone (the rows
+        ``W~_K`` of ``key_value_proj``), then ``[W_K | W_V]``: the same numbers, and a
+        pass that stops at the synthesis encode (block-wise streaming, Appendix B's
+        partials) computes a third of the input projection instead of all of it."""
+        C = self.config.dim
+        weight, bias = self.key_value_proj.weight, self.key_value_proj.bias
+        synthesis = nn.functional.linear(x, weight[:C], None if bias is None else bias[:C])
+        (synthesis,) = self.split_projections_BNHD(synthesis, 1)
+        synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis))
+        queries = self.routing_queries(synthesis_keys, mask, x.shape[0])
+        projected = nn.functional.linear(x, weight[C:], None if bias is None else bias[C:])
+        keys, values = self.split_projections_BNHD(projected, 2)
+        return queries, self.heads_first(self.routing_key_norm(keys)), self.heads_first(values)
 
 
 @dataclass(kw_only=True)
