@@ -38,9 +38,10 @@ Cost. No block is ever replayed from the model's input: every token goes once th
 passes of a block recompute only what precedes the encode they stop at (the pre-norm, the
 input projection and the per-head norms) besides computing the encode itself. Per token and
 block, with C=128, M=64 that is 1.22x the multiply-adds of the unchunked block for FLARE
-(``2C^2`` recomputed on top of ``9C^2``) and 1.55x for FLARE++ (twice ``3C^2`` on top of
-``11C^2``), against ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays the
-model from its input. With a process group each pass's merged partial is further merged
+(``2C^2`` recomputed on top of ``9C^2``) and 1.36x for FLARE++ (its synthesis keys are
+projected alone first, so the first pass recomputes ``C^2`` and the second ``3C^2``, on top
+of ``11C^2``), against ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays
+the model from its input. With a process group each pass's merged partial is further merged
 across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every rank streams its
 own token shard, exactly over the whole mesh.
 
