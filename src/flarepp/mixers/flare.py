@@ -44,6 +44,11 @@ class LowRankRouting(Mixer, abc.ABC):
 
     key_value_proj: nn.Linear
     out_proj: nn.Linear
+    project_in_stages: bool = False
+    """Compute the input projections encode by encode instead of in one GEMM (the same
+    numbers up to rounding). Block-wise streaming sets it for the duration of a call: its
+    passes stop at an encode, so a pass then computes only the projections that encode
+    needs. Members with a single encode ignore it."""
 
     @abc.abstractmethod
     def route(self, projected_BNkC: torch.Tensor, mask: torch.Tensor | None
@@ -149,10 +154,12 @@ class FLAREPP(LowRankRouting):
         return queries, keys, self.heads_first(values)
 
     def route_tokens(self, x, mask):
-        """:meth:`route` with the synthesis keys projected first and alone (the rows
-        ``W~_K`` of ``key_value_proj``), then ``[W_K | W_V]``: the same numbers, and a
-        pass that stops at the synthesis encode (block-wise streaming, Appendix B's
-        partials) computes a third of the input projection instead of all of it."""
+        """:meth:`route` of the fused projection; with :attr:`project_in_stages` the
+        synthesis keys are projected first and alone (the rows ``W~_K`` of
+        ``key_value_proj``), then ``[W_K | W_V]``, so a streaming pass that stops at the
+        synthesis encode computes a third of the input projection."""
+        if not self.project_in_stages:
+            return super().route_tokens(x, mask)
         C = self.config.dim
         weight, bias = self.key_value_proj.weight, self.key_value_proj.bias
         synthesis = nn.functional.linear(x, weight[:C], None if bias is None else bias[:C])
