@@ -169,6 +169,13 @@ def mixer_section(out: Path, study: Study, figures: Path) -> list[str]:
                if {"flare", "flarepp"} <= set(errs) else "")
         lines.append(f"- B = {depth}: lowest mean test error {best} "
                      f"({100 * errs[best]:.2f}%){rel}.")
+    stuck = [r["point"] for r in rows
+             if r["status"] == "done" and r["train_rel_l2"] is not None
+             and float(r["train_rel_l2"]) >= 0.5]
+    if stuck:
+        lines.append(f"- {len(stuck)} of {done} runs ended with a training error of 50% or "
+                     f"more (they did not fit the training data): "
+                     f"{', '.join(stuck)}.")
     source = out / study.name / "fig4_depth_latents.png"
     if source.exists():
         figures.mkdir(parents=True, exist_ok=True)
