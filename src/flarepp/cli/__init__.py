@@ -68,6 +68,16 @@ def check_output(path: str | Path, *, directory: bool, option: str = "--out") ->
     return path
 
 
+def parse_scalar(text: str) -> int | float | str:
+    """A ``KEY=VALUE`` option's value: an int, else a float, else the text itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flarepp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -110,4 +120,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "check_output", "main"]
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "check_output", "main",
+           "parse_scalar"]

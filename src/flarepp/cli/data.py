@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, parse_scalar
 
 
 def _positive(text: str) -> int:
@@ -12,15 +12,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
-
-
-def _number(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
 
 
 def _make(args: argparse.Namespace) -> int:
@@ -58,7 +49,7 @@ def _check(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise CLIError(f"--option expects key=value, got {item!r}")
-        options[key] = _number(value)
+        options[key] = parse_scalar(value)
     splits = load_dataset(args.dataset, args.path, **options)
     for split in ("train", "test"):
         samples = getattr(splits, split)

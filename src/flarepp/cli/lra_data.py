@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, parse_scalar
 
 _TASK_OF = {"listops": "listops", "pathfinder": "pathfinder32"}
 _FLAGS = {"listops": ("n_train", "n_val", "n_test", "min_length", "max_length", "max_depth",
@@ -40,15 +40,6 @@ def _make(args: argparse.Namespace) -> int:
     return 0
 
 
-def _value(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
-
-
 def _check(args: argparse.Namespace) -> int:
     from flarepp.data.lra import load_lra
     options = {}
@@ -56,7 +47,7 @@ def _check(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise CLIError(f"--option expects key=value, got {item!r}")
-        options[key] = _value(value)
+        options[key] = parse_scalar(value)
     data = load_lra(args.dataset, args.path, **options)
     print(f"{data.task} from {data.source}: vocabulary {data.vocab_size}, "
           f"{data.num_classes} classes, max length {data.max_length}")
