@@ -11,15 +11,15 @@ stopped: finished points are kept, half-finished ones resume), writes each sweep
 and then ``docs/results.md`` with its figures in ``docs/results/``. On two loaded CPU cores
 the 60 runs take hours; ``--only`` runs some studies (the page then shows those done).
 
-Studies (``-tiny`` presets; the mixer studies shortened further to fit two loaded cores):
+Studies (``-tiny`` presets):
 
 * ``protocol-legacy`` / ``protocol-reference``: FLARE and FLARE++ on Darcy at SDPA scale
   1.0 and 1/sqrt(D), 3 seeds, under flarepp's earlier protocol (MSE of normalised outputs,
   standardised inputs, decay on every parameter, fixed beta1) and under the FLARE study's
   (the presets' default);
-* ``mixers-darcy`` (10 epochs) and ``mixers-elasticity`` (the preset's 200 training
-  samples and 25 epochs), B = 1, 2: FLARE, FLARE++ and simplified FLARE++, 3 seeds, each
-  mixer at its reference scale.
+* ``mixers-darcy`` and ``mixers-elasticity`` (the presets' samples and epochs: 20 and
+  25), B = 1, 2: FLARE, FLARE++ and simplified FLARE++, 3 seeds, each mixer at its
+  reference scale.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ STUDIES = [
     Study("protocol-reference", "darcy-tiny", "darcy", PROTOCOL_GRID, [],
           "Darcy, the FLARE study's protocol"),
     Study("mixers-darcy", "darcy-tiny", "darcy", [MIXERS, "model.blocks=1,2", "seed=0,1,2"],
-          ["epochs=10"], "Darcy (200 / 100 samples, 22 x 22 grid, 10 epochs)"),
+          [], "Darcy (200 / 100 samples, 22 x 22 grid, 20 epochs)"),
     Study("mixers-elasticity", "elasticity-tiny", "elasticity",
           [MIXERS, "model.blocks=1,2", "seed=0,1,2"], [],
           "Elasticity (200 / 50 samples, 972 points, 25 epochs)"),
@@ -192,7 +192,7 @@ def write_page(out: Path) -> Path:
              "docstring); every number below is read from the sweeps' run directories. The "
              "data are generated here (`flarepp data make`), far smaller than the public "
              "benchmarks, and the models are the `-tiny` presets (C = 64, H = 4, M = 32, "
-             "10-25 epochs): these numbers test the code and the protocol, they do not "
+             "20-25 epochs): these numbers test the code and the protocol, they do not "
              "reproduce Table 1.", ""]
     lines += protocol_section(out)
     for study in STUDIES[2:]:
