@@ -124,5 +124,18 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> 
     return atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
+def atomic_write_npz(path: str | Path, arrays: Mapping[str, Any], *,
+                     compressed: bool = False) -> Path:
+    """``arrays`` as one ``.npz`` file (``numpy.savez``, or ``savez_compressed``), written
+    atomically: an interrupted write leaves the previous file, never half of a new one."""
+    import numpy as np
+    save = np.savez_compressed if compressed else np.savez
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:   # a file object: numpy would append ".npz" to a name
+            save(f, **arrays)
+    return atomic_write(path, write)
+
+
 __all__ = ["atomic_write", "atomic_write_all", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "fsync_directory", "is_temporary"]
+           "atomic_write_npz", "atomic_write_text", "fsync_directory", "is_temporary"]

@@ -39,18 +39,14 @@ def _write(path: Path, pred: np.ndarray, y: np.ndarray | None, mask: np.ndarray 
     import torch
 
     from flarepp.train import relative_l2
-    from flarepp.train.checkpoint import atomic_write
+    from flarepp.io import atomic_write_npz
     arrays = {"pred": pred}
     if y is not None:
         m = None if mask is None else torch.from_numpy(mask)
         arrays["rel_l2"] = relative_l2(torch.from_numpy(pred), torch.from_numpy(y), m).numpy()
     if mask is not None:
         arrays["mask"] = mask
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-    atomic_write(path, write)
+    atomic_write_npz(path, arrays)
     extra = (f"; mean relative L2 {100 * arrays['rel_l2'].mean():.3f}%"
              if "rel_l2" in arrays else "")
     print(f"wrote {path}: pred {list(pred.shape)} ({how}){extra}")

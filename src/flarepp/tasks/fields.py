@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from flarepp.data import DataError, DatasetSplits, MeshSamples, Normalizer, load_dataset
-from flarepp.io import atomic_write
+from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.registry import Registry
 from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
@@ -492,13 +492,7 @@ class FieldTask(Task):
             arrays["mask"] = s.mask
         if s.grid_shape is not None:
             arrays["grid_shape"] = np.asarray(s.grid_shape)
-        path = out_dir / "test_predictions.npz"
-
-        def write(tmp):
-            with open(tmp, "wb") as f:
-                np.savez_compressed(f, **arrays)
-        atomic_write(path, write)
-        return [path]
+        return [atomic_write_npz(out_dir / "test_predictions.npz", arrays, compressed=True)]
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:

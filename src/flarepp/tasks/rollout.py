@@ -51,7 +51,7 @@ from torch import nn
 from flarepp.data import DATASETS, DataError
 from flarepp.data.generators.advection_diffusion import (Trajectories, grid, periodic_gaussian,
                                                           read_trajectories)
-from flarepp.io import atomic_write
+from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
 from flarepp.tasks.registry import TASKS
@@ -354,13 +354,7 @@ class RolloutTask(Task):
                   "pred": records["pred"][:SAVED_CASES].reshape(len(cases), -1, R, R),
                   "true": d.test.u[cases][:, :d.horizon + 1],
                   "times": d.test.times[:d.horizon + 1]}
-        path = out_dir / f"{split}_rollout.npz"
-
-        def write(tmp):
-            with open(tmp, "wb") as f:
-                np.savez_compressed(f, **arrays)
-        atomic_write(path, write)
-        return [path]
+        return [atomic_write_npz(out_dir / f"{split}_rollout.npz", arrays, compressed=True)]
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:

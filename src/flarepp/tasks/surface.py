@@ -50,7 +50,7 @@ from torch import nn
 from flarepp.data import DATASETS, DataError, Normalizer, load_dataset
 from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
                                     WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
-from flarepp.io import atomic_write, atomic_write_json
+from flarepp.io import atomic_write, atomic_write_json, atomic_write_npz
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
 from flarepp.tasks.registry import TASKS
@@ -376,12 +376,7 @@ class SurfaceTask(Task):
                       "source": np.asarray(str(run.source.resolve())),
                       "index": np.int64(index), "nmse": np.float64(cases[row]["nmse"]),
                       "field_names": np.asarray(FIELD_NAMES), "units": np.asarray(FIELD_UNITS)}
-
-            def write(tmp, arrays=arrays):
-                with open(tmp, "wb") as f:
-                    np.savez(f, **arrays)
-            atomic_write(out_dir / CASE_FILE, write)
-            paths.append(out_dir / CASE_FILE)
+            paths.append(atomic_write_npz(out_dir / CASE_FILE, arrays))
         return paths
 
     @classmethod
