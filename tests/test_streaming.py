@@ -92,41 +92,6 @@ def test_streaming_restores_backends_and_handles_float32_and_empty_mesh():
     assert stream_forward(model, x[:, :0], chunk_size=5).shape == (2, 0, 2)
 
 
-def test_staged_projection_equals_the_fused_one_and_is_switched_back():
-    """FLARE++ with ``project_in_stages`` (synthesis keys projected alone, then W_K, W_V)
-    equals the fused projection in float64, forward and input gradient; streaming turns
-    it on for its call only, so training keeps the one fused GEMM."""
-    model = tiny_model("flarepp")
-    mixers = [m for m in model.modules() if hasattr(m, "project_in_stages")]
-    assert mixers and not any(m.project_in_stages for m in mixers)
-    x, mask = batch(True)
-    outputs = []
-    for staged in (False, True):
-        for m in mixers:
-            m.project_in_stages = staged
-        xg = x.clone().requires_grad_(True)
-        y = model(xg, mask)
-        y.square().sum().backward()
-        outputs.append((y.detach(), xg.grad))
-    for a, b in zip(*outputs):
-        assert (a - b).abs().max() <= 1e-12 * max(1.0, a.abs().max().item())
-    for m in mixers:
-        m.project_in_stages = False
-    seen = []
-    original = type(mixers[0]).route_tokens
-
-    def spy(self, x_, mask_):
-        seen.append(self.project_in_stages)
-        return original(self, x_, mask_)
-    type(mixers[0]).route_tokens = spy
-    try:
-        stream_forward(model, x, mask, chunk_size=7)
-    finally:
-        type(mixers[0]).route_tokens = original
-    assert seen and all(seen)
-    assert not any(m.project_in_stages for m in mixers)
-
-
 def test_streaming_detects_chunk_dependent_queries():
     """The backend must refuse to reuse a latent whose queries changed between chunks (a
     model that is not streamable), instead of returning a wrong result."""

@@ -38,10 +38,9 @@ Cost. No block is ever replayed from the model's input: every token goes once th
 passes of a block recompute only what precedes the encode they stop at (the pre-norm, the
 input projection and the per-head norms) besides computing the encode itself. Per token and
 block, with C=128, M=64 that is 1.22x the multiply-adds of the unchunked block for FLARE
-(``2C^2`` recomputed on top of ``9C^2``) and 1.36x for FLARE++ (during the call its synthesis
-keys are projected alone first, ``project_in_stages``, so the first pass recomputes ``C^2``
-and the second ``3C^2``, on top of ``11C^2``), against ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays
-the model from its input. With a process group each pass's merged partial is further merged
+(``2C^2`` recomputed on top of ``9C^2``) and 1.55x for FLARE++ (twice ``3C^2`` on top of
+``11C^2``), against ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays the
+model from its input. With a process group each pass's merged partial is further merged
 across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every rank streams its
 own token shard, exactly over the whole mesh.
 
@@ -251,9 +250,6 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     chunks = _chunks(n_tokens, chunk_size)
     backend = StreamingBackend()
     previous = install_backend(model, backend)
-    staged = [m for m in model.modules() if getattr(m, "project_in_stages", None) is False]
-    for module in staged:  # each pass computes only the projections its encode needs
-        module.project_in_stages = True
     bar = tqdm(total=None, unit="pass", desc="stream_forward", disable=not progress)
     try:
         with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -287,8 +283,6 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     finally:
         bar.close()
         restore_backends(previous)
-        for module in staged:
-            module.project_in_stages = False
 
 
 def _stream_block(block, hidden: torch.Tensor, mask_BN: torch.Tensor | None, carry: Any,

@@ -44,11 +44,6 @@ class LowRankRouting(Mixer, abc.ABC):
 
     key_value_proj: nn.Linear
     out_proj: nn.Linear
-    project_in_stages: bool = False
-    """Compute the input projections encode by encode instead of in one GEMM (the same
-    numbers up to rounding). Block-wise streaming sets it for the duration of a call: its
-    passes stop at an encode, so a pass then computes only the projections that encode
-    needs. Members with a single encode ignore it."""
 
     @abc.abstractmethod
     def route(self, projected_BNkC: torch.Tensor, mask: torch.Tensor | None
@@ -59,16 +54,11 @@ class LowRankRouting(Mixer, abc.ABC):
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        queries, keys, values = self.route_tokens(x, mask)
+        queries, keys, values = self.route(self.key_value_proj(x), mask)
         latents = self.backend.encode(queries, keys, values, mask,
                                       scale=self.config.attn_scale)             # Z [B,H,M,D]
         y = self.decode_tokens(keys, queries, latents, mask)                    # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
-
-    def route_tokens(self, x: torch.Tensor, mask: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(Q, K, V)`` from the (masked) tokens: :meth:`route` of ``key_value_proj(x)``."""
-        return self.route(self.key_value_proj(x), mask)
 
     def decode_tokens(self, keys: torch.Tensor, queries: torch.Tensor, latents: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
@@ -152,23 +142,6 @@ class FLAREPP(LowRankRouting):
         keys = self.heads_first(self.routing_key_norm(keys))
         queries = self.routing_queries(synthesis_keys, mask, keys.shape[0])
         return queries, keys, self.heads_first(values)
-
-    def route_tokens(self, x, mask):
-        """:meth:`route` of the fused projection; with :attr:`project_in_stages` the
-        synthesis keys are projected first and alone (the rows ``W~_K`` of
-        ``key_value_proj``), then ``[W_K | W_V]``, so a streaming pass that stops at the
-        synthesis encode computes a third of the input projection."""
-        if not self.project_in_stages:
-            return super().route_tokens(x, mask)
-        C = self.config.dim
-        weight, bias = self.key_value_proj.weight, self.key_value_proj.bias
-        synthesis = nn.functional.linear(x, weight[:C], None if bias is None else bias[:C])
-        (synthesis,) = self.split_projections_BNHD(synthesis, 1)
-        synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis))
-        queries = self.routing_queries(synthesis_keys, mask, x.shape[0])
-        projected = nn.functional.linear(x, weight[C:], None if bias is None else bias[C:])
-        keys, values = self.split_projections_BNHD(projected, 2)
-        return queries, self.heads_first(self.routing_key_norm(keys)), self.heads_first(values)
 
 
 @dataclass(kw_only=True)
