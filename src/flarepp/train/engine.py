@@ -22,7 +22,7 @@ from flarepp.distributed.encoder import global_sum
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.distributed.parallel import gather_tokens, shard_slice
 from flarepp.tasks.base import Batch, Task, gather_records
-from flarepp.train.batching import eval_keys, make_loader, to_device_prefetched
+from flarepp.train.batching import eval_keys, make_loader, to_device, to_device_prefetched
 
 
 class Engine:
@@ -73,6 +73,20 @@ class Engine:
         if self.plan.cp_group is not None:
             pred = gather_tokens(pred.contiguous(), self.plan.cp_group)
         return pred
+
+    def predict_cases(self, model: nn.Module, split: str, indices: list[int]
+                      ) -> dict[int, np.ndarray]:
+        """``{index: raw output [N, O]}`` of ``model`` on samples of ``split`` (in eval mode;
+        every rank takes part: shards, streams and gathers as :meth:`predict`)."""
+        was_training = model.training
+        model.eval()
+        out = {}
+        for index in indices:
+            item = self.task.get(split, index, index, training=False)
+            batch = to_device(self.task.collate([item]), self.device)
+            out[index] = self.predict(model, batch)[0].float().cpu().numpy()
+        model.train(was_training)
+        return out
 
     # -- evaluation ----------------------------------------------------------------------
     @torch.no_grad()

@@ -81,7 +81,6 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
     files a finished run leaves for its figures (``Task.write_outputs``: test predictions,
     the figure's case) into ``out_dir``; returns that split's metrics. ``flarepp plot``
     uses it for a run stopped before its end."""
-    from flarepp.train.batching import to_device
     model, task, config, _state = load_for_evaluation(path, data_root=data_root,
                                                       device=device)
     device = next(model.parameters()).device
@@ -89,11 +88,7 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
                     workers=config.workers(device.type))
     split = task.eval_splits[0]
     result, records = engine.evaluate(model, split, task.eval_batch_size())
-    predictions = {}
-    for index in task.cases_to_predict(split, records):
-        batch = to_device(task.collate([task.get(split, index, index, training=False)]),
-                          device)
-        predictions[index] = engine.predict(model, batch)[0].float().cpu().numpy()
+    predictions = engine.predict_cases(model, split, task.cases_to_predict(split, records))
     extra = {"predictions": predictions} if predictions else {}
     task.write_outputs(Path(out_dir), split, records, **extra)
     return {f"{split}_{task.headline}": result[task.headline]}

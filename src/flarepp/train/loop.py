@@ -42,7 +42,7 @@ from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
 from flarepp.train.batching import (epoch_keys, global_batches, make_loader,
-                                    steps_per_epoch, to_device, to_device_prefetched)
+                                    steps_per_epoch, to_device_prefetched)
 from flarepp.train.checkpoint import (CheckpointError, checkpoints_newest_first,
                                       newest_readable_checkpoint, remove_stale_temporaries,
                                       save_checkpoint)
@@ -375,19 +375,6 @@ class Trainer:
         metrics["_records"] = records
         return metrics
 
-    @torch.no_grad()
-    def predict_case(self, split: str, index: int) -> np.ndarray:
-        """The EMA model's raw output ``[N, O]`` on sample ``index`` of ``split`` (every
-        rank takes part: the engine shards, streams and gathers as in evaluation)."""
-        model = self.ema.module
-        was_training = model.training
-        model.eval()
-        item = self.task.get(split, index, index, training=False)
-        batch = to_device(self.task.collate([item]), self.device)
-        pred = self.engine.predict(model, batch)[0].float().cpu().numpy()
-        model.train(was_training)
-        return pred
-
     # -- the run -------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict[str, Any] | None:
         """Train to ``config.epochs``; ``stop_after`` ends early after that many epochs of
@@ -468,7 +455,7 @@ class Trainer:
         split = self.task.eval_splits[0]
         records = results[split]["_records"]
         cases = self.task.cases_to_predict(split, records)  # predicted on every rank
-        extra = ({"predictions": {i: self.predict_case(split, i) for i in cases}}
+        extra = ({"predictions": self.engine.predict_cases(self.ema.module, split, cases)}
                  if cases else {})
         if self.is_writer:
             self.task.write_outputs(self.out_dir, split, records, **extra)
