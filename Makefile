@@ -24,7 +24,10 @@ test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not cuda"
 
 # Everything that needs CUDA, on one GPU, in at most 8 minutes (scripts/gpu_check.sh).
-gpu-check: setup
+# An environment that already imports flarepp and pytest is used as it is (no pip: a GPU
+# machine is often offline); otherwise `setup` runs first.
+gpu-check:
+	@$(PY) -c "import flarepp, pytest" 2>/dev/null || $(MAKE) setup
 	PY=$(PY) scripts/gpu_check.sh
 
 clean:

@@ -184,3 +184,29 @@ def test_bf16_autocast_point_runs():
     assert config.model_settings("flarepp")["norm"] == "rmsnorm"
     (record,) = run_scaling(config, log=lambda s: None)["records"]
     assert record["status"] == "ok" and record["dtype"] == "bf16"
+
+
+def test_bench_scaling_exits_non_zero_when_a_point_fails(monkeypatch, capsys):
+    """`flarepp bench scaling` (the Figure 6 sweep of `make gpu-check`) returns 1 when a
+    point fails (here flare raises a kernel-input RuntimeError) and names it; a point that
+    runs out of memory (flarepp) is reported as skipped and alone would exit 0. Exit 0 with
+    a failed point means gpu-check's sweep can never fail."""
+    from flarepp.bench import scaling
+    from flarepp.cli import main
+
+    def fake_measure(config, mixer, n, record, dev):
+        if mixer == "flare":
+            raise RuntimeError("Query is not correctly aligned")
+        raise scaling.PointOutOfMemory("out of memory: tried to allocate 80 GiB")
+
+    monkeypatch.setattr(scaling, "_measure", fake_measure)
+    monkeypatch.setattr(scaling, "_machine", lambda config: {
+        "device_name": "test", "threads": 1, "torch": torch.__version__,
+        "peak_flops_per_s": 1e9, "peak_dtype": config.dtype})
+    argv = ["bench", "scaling", "--device", "cpu", "--n", "256", "--batch", "1", "--dim", "16",
+            "--heads", "2", "--blocks", "1", "--latents", "4"]
+    assert main(argv + ["--mixers", "flare,flarepp"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED flare N=256" in err and "flarepp" not in err
+    assert main(argv + ["--mixers", "flarepp"]) == 0
+    assert "skipped: out of memory" in capsys.readouterr().out

@@ -6,7 +6,9 @@ import pytest
 
 from flarepp.cli import main
 from flarepp.data.generators.darcy import make_darcy
-from flarepp.experiments import run_comparison
+from flarepp.experiments import create_study, run_study
+from flarepp.experiments.engine import StudyConflict
+from flarepp.experiments.studies import compare_study
 
 SMALL = ["dataset_options.n_train=4", "dataset_options.n_test=2", "batch_size=2",
          "model.dim=16", "model.heads=2", "model.blocks=1", "model.latents=4"]
@@ -19,6 +21,7 @@ def data_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_compare_writes_table1_shaped_outputs(data_root, tmp_path, capsys):
     """Two models x two seeds: one CSV line per run, a Markdown table with one row per
     model (Table 1 labels, mean ± spread in %), a table CSV and a chart."""
@@ -42,20 +45,22 @@ def test_compare_writes_table1_shaped_outputs(data_root, tmp_path, capsys):
     assert "FLARE++" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_finished_runs_are_reused(data_root, tmp_path):
-    """A second call finds each run's metrics.json and trains nothing again."""
-    kw = dict(epochs=1, seeds=1, data_root=data_root, overrides=SMALL, log=lambda _: None)
-    first = run_comparison(["flare"], ["darcy"], tmp_path, **kw)
+    """A second call finds each run finished (its config and data unchanged) and trains
+    nothing again; another config in the same directory is refused, never a stale table
+    entry."""
+    kw = dict(epochs=1, seeds=1, data_root=data_root, overrides=SMALL)
+    study = create_study(tmp_path, compare_study(["flare"], ["darcy"], **kw))
+    assert run_study(study, tmp_path, log=lambda _: None)["finished"] == ["darcy/flare/seed0"]
     stamp = (tmp_path / "runs/darcy/flare/seed0/metrics.json").stat().st_mtime_ns
-    second = run_comparison(["flare"], ["darcy"], tmp_path, **kw)
-    assert first == second
+    assert run_study(study, tmp_path, log=lambda _: None)["reused"] == ["darcy/flare/seed0"]
     assert (tmp_path / "runs/darcy/flare/seed0/metrics.json").stat().st_mtime_ns == stamp
-    with pytest.raises(ValueError, match="different config"):  # never a stale result
-        run_comparison(["flare"], ["darcy"], tmp_path, **{**kw, "epochs": 2})
+    with pytest.raises(StudyConflict, match="epochs differ"):
+        create_study(tmp_path, compare_study(["flare"], ["darcy"], **{**kw, "epochs": 2}))
 
 
 def test_unknown_model_and_missing_data_are_named(tmp_path):
     assert main(["compare", "--models", "flare,nope", "--out", str(tmp_path)]) == 2
     with pytest.raises(FileNotFoundError, match="flarepp data make darcy"):
-        run_comparison(["flare"], ["darcy"], tmp_path, data_root=tmp_path / "none",
-                       log=lambda _: None)
+        compare_study(["flare"], ["darcy"], data_root=tmp_path / "none")

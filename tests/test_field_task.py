@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flarepp.train import RunConfig, Trainer
-from flarepp.train.batching import micro_batches
+from flarepp.inference.batching import micro_batches
 
 
 def write_npz(root, sizes_train, sizes_test, zero_test: int | None = None, seed: int = 0):

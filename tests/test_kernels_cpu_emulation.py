@@ -288,3 +288,72 @@ def test_cpu_path_runs_the_cpu_kernel_with_the_same_wrapper():
     for a, b in zip(_both_cotangent_grads(z, lse, (q, k, v)),
                     _both_cotangent_grads(zr, lr, (q, k, v))):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_float64_explicit_fallback_is_float64_accurate():
+    """The explicit fallback (float64 on CUDA: no fused kernel runs float64) matches the
+    float64 reference to 1e-12 on Z, L and the gradients of both cotangents. A failure of
+    order 1e-7 means its scores or log-sum-exp were formed in float32."""
+    q, k, v, mask = _inputs(D=13, keyless_sample=True)
+    z, lse = _encode_with_lse(q, k, v, mask, default_scale(13, None), None)
+    zr, lr = explicit_encode_lse(q, k, v, mask)
+    assert z.dtype == lse.dtype == torch.float64
+    tight = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(z, zr, **tight)
+    torch.testing.assert_close(lse, lr, **tight)
+    for a, b in zip(_both_cotangent_grads(z, lse, (q, k, v)),
+                    _both_cotangent_grads(zr, lr, (q, k, v))):
+        torch.testing.assert_close(a, b, **tight)
+
+
+def _recording(kernel, widths):
+    """``kernel`` with the value head width of every backward call appended to ``widths``."""
+    def backward(dout, q, k, v, *rest):
+        widths.append(v.shape[-1])
+        return kernel.backward(dout, q, k, v, *rest)
+    return _kernels.LSEKernel(name=kernel.name + "-recording", forward=kernel.forward,
+                              backward=backward, head_multiple=kernel.head_multiple,
+                              equal_head_widths=kernel.equal_head_widths, dtypes=kernel.dtypes)
+
+
+@pytest.mark.parametrize("D", [16, 64])
+def test_unused_lse_takes_the_output_only_backward(D):
+    """When only Z reaches the loss, the backward must run the kernel at the forward's
+    value width (D = 16 -> 16, not 24; D = 64 -> 64, not 72): autograd hands a None
+    cotangent for the unused L only when materialised gradients are off. A width of
+    round_up(D + 1, 8) here means the extra dL column is back on every backward."""
+    widths = []
+    kernel = _recording(EMULATED_EFFICIENT, widths)
+    q, k, v, mask = _inputs(D=D, M=8, N=20)
+    z, _ = _encode_with_lse(q, k, v, mask, default_scale(D, None), kernel)
+    got = torch.autograd.grad(z.sum(), (q, k, v))
+    assert widths == [D]
+    zr, _ = explicit_encode_lse(q, k, v, mask)
+    for a, b in zip(got, torch.autograd.grad(zr.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, **TOL)
+    widths.clear()
+    z, lse = _encode_with_lse(q, k, v, mask, default_scale(D, None), kernel)
+    torch.autograd.grad(z.sum() + lse.sum(), (q, k, v))
+    assert widths == [D + 8]  # both used: the dL column, padded to the next multiple of 8
+
+
+def test_fp16_dl_column_survives_a_loss_scale():
+    """float16 with a GradScaler-sized cotangent on L (2^16 x O(1), above float16's 65504):
+    the gradients stay finite and match the float64 reference. Non-finite gradients here
+    mean the float32 dL was cast to float16 unscaled (the scaler would then skip every
+    step that uses L, i.e. every context-parallel or streamed fp16 step)."""
+    q, k, v, mask = _inputs(D=16, M=8, N=24, dtype=torch.float16)
+    z, lse = _encode_with_lse(q, k, v, mask, default_scale(16, None), EMULATED_EFFICIENT)
+    g = torch.Generator().manual_seed(3)
+    cz = torch.randn(z.shape, generator=g, dtype=torch.float64)
+    cl = 2.0 ** 16 * torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    assert cl.abs().max() > 65504
+    got = torch.autograd.grad((z, lse), (q, k, v), (cz.half(), cl.float()))
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    zr, lr = explicit_encode_lse(q64, k64, v64, mask)
+    want = torch.autograd.grad((zr, lr), (q64, k64, v64), (cz, cl))
+    for name, a, b in zip("qkv", got, want):
+        assert torch.isfinite(a).all(), f"d{name} is not finite"
+        assert b.abs().max() < 60000  # the true gradient fits float16
+        err = (a.double() - b).abs().max().item()
+        assert err <= 1e-2 * max(1.0, b.abs().max().item()), f"d{name}: error {err:.3g}"

@@ -123,7 +123,7 @@ def test_train_then_generate_and_bench(corpus, tmp_path, capsys):
     assert captured.out.startswith("def ") and "flare-causal" in captured.err
 
     from flarepp.models.causal_lm import generate
-    from flarepp.models.decoding import load_causal_lm
+    from flarepp.storage.checkpoint import load_causal_lm
     model = load_causal_lm(ckpt, device=torch.device("cpu"))
     ids = generate(model, torch.tensor([list(b"def ")]), 12, temperature=0)
     with torch.no_grad():

@@ -20,7 +20,8 @@ from scipy import ndimage
 
 from flarepp.cli import main as cli_main
 from flarepp.data.base import DataError
-from flarepp.data.lra import LRA_DATASETS, LRA_TASKS, TokenSequences, collate, load_lra
+from flarepp.data.lra import LRA_DATASETS, TokenSequences, collate, load_lra
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 from flarepp.data.lra.images import load_cifar10, load_fashion_mnist, read_idx
 from flarepp.data.lra.listops import (
     TOKEN_IDS,
@@ -449,12 +450,12 @@ def test_limited_keeps_a_seeded_subset(tmp_path):
 def test_registry_names_and_task_table():
     assert LRA_DATASETS.names() == sorted(["listops", "pathfinder", "cifar10", "fashion-mnist",
                                            "imdb", "aan", "lra-pickle"])
-    assert LRA_TASKS.names() == ["image", "listops", "pathfinder32", "retrieval", "text"]
-    for name in LRA_TASKS.names():
-        task = LRA_TASKS.get(name)
+    assert LRA_BENCHMARKS.names() == ["image", "listops", "pathfinder32", "retrieval", "text"]
+    for name in LRA_BENCHMARKS.names():
+        task = LRA_BENCHMARKS.get(name)
         assert task.dataset in LRA_DATASETS
         assert task.tiny_dataset is None or task.tiny_dataset in LRA_DATASETS
-    listops = LRA_TASKS.get("listops").paper
+    listops = LRA_BENCHMARKS.get("listops").paper
     assert (listops.blocks, listops.dim, listops.steps, listops.lr) == (4, 128, 10_000, 5e-4)
     assert listops.model_options("flarepp")["attn_scale"] == 1.0
     assert listops.model_options("attention")["attn_scale"] is None
@@ -463,15 +464,15 @@ def test_registry_names_and_task_table():
 
 
 def test_task_load_applies_tiny_options(tmp_path):
-    """``LRA_TASKS[...].load("tiny", ...)`` reads the offline data with the table's loader
+    """``LRA_BENCHMARKS[...].load("tiny", ...)`` reads the offline data with the table's loader
     options (ListOps capped at 300 tokens) and split limits (Image: 10k / 1k / 2k)."""
     make_listops(tmp_path, n_train=8, n_val=2, n_test=2, min_length=5, max_length=40,
                  progress=False)
-    data = LRA_TASKS.get("listops").load("tiny", tmp_path)
+    data = LRA_BENCHMARKS.get("listops").load("tiny", tmp_path)
     assert data.max_length == 300 and len(data.splits["train"]) == 8
-    assert LRA_TASKS.get("listops").load("paper", tmp_path).max_length == 2000
+    assert LRA_BENCHMARKS.get("listops").load("paper", tmp_path).max_length == 2000
     if Path("/usr/share/datasets/fashion-mnist").is_dir():
-        image = LRA_TASKS.get("image").load("tiny")
+        image = LRA_BENCHMARKS.get("image").load("tiny")
         assert [len(s) for s in image.splits.values()] == [10_000, 1_000, 2_000]
 
 

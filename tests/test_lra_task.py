@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from flarepp.cli import main as cli
-from flarepp.data.lra import LRA_TASKS, make_listops
+from flarepp.data.lra import make_listops
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 from flarepp.tasks import TASKS, build_task
 from flarepp.train import PRESETS, apply_overrides
 from flarepp.train.presets import lra_run_config
@@ -47,9 +48,9 @@ def train_args(root, out, *extra):
 def test_presets_read_the_task_table():
     """Every LRA task has a paper and a tiny preset whose settings are the table's (with
     FLARE-family overrides), steps turned into whole epochs, EMA off. A failure means a
-    preset drifted from flarepp.data.lra.LRA_TASKS."""
-    for task in LRA_TASKS.names():
-        spec = LRA_TASKS.get(task)
+    preset drifted from flarepp.data.lra.LRA_BENCHMARKS."""
+    for task in LRA_BENCHMARKS.names():
+        spec = LRA_BENCHMARKS.get(task)
         for size, name in (("paper", f"lra-{task}"), ("tiny", f"lra-{task}-tiny")):
             config, s = PRESETS.get(name), spec.settings(size)
             assert config.task == "sequence" and config.model["mixer"] == "flarepp"
@@ -66,7 +67,7 @@ def test_presets_read_the_task_table():
             else:
                 assert config.epochs == s.epochs
     attention = lra_run_config("listops", "paper", "attention")
-    assert attention.model["heads"] == LRA_TASKS.get("listops").paper.heads
+    assert attention.model["heads"] == LRA_BENCHMARKS.get("listops").paper.heads
     assert attention.model["attn_scale"] is None
 
 
@@ -220,29 +221,33 @@ def test_compare_writes_table_and_reuses_runs(listops, tmp_path):
     assert rows[0].startswith("task,mixer,seed,test_accuracy") and len(rows) == 5
     assert cli(args) == 0
     assert [p.stat().st_mtime_ns for p in runs] == stamps
-    with pytest.raises(ValueError, match="another config"):
-        from flarepp.experiments.lra_compare import run_lra_comparison
-        run_lra_comparison(["listops"], ["flarepp"], out, seeds=1, steps=18,
-                           split_limits={"train": 24, "val": 12, "test": 12},
-                           data_roots={"listops": str(listops)}, overrides=TINY_MODEL,
-                           log=lambda _: None)
+    from flarepp.experiments.engine import StudyConflict, create_study
+    from flarepp.experiments.studies import lra_study
+    with pytest.raises(StudyConflict, match="another study"):
+        create_study(out, lra_study(["listops"], ["flarepp"], seeds=1, steps=18,
+                                    split_limits={"train": 24, "val": 12, "test": 12},
+                                    data_roots={"listops": str(listops)},
+                                    overrides=TINY_MODEL))
 
 
 def test_compare_records_a_diverged_run_and_goes_on(listops, tmp_path):
     """A run whose loss becomes non-finite is recorded in failed.json, left out of the
     table and not retried, and the other runs of the grid still train. A failure means one
     diverging mixer would stop (or silently enter) the whole comparison."""
-    from flarepp.experiments.lra_compare import run_lra_comparison
+    from flarepp.experiments.engine import create_study, run_study
+    from flarepp.experiments.studies import lra_study
     lines = []
     options = dict(seeds=1, steps=3, split_limits={"train": 24, "val": 12, "test": 12},
-                   data_roots={"listops": str(listops)}, log=lines.append)
-    results = run_lra_comparison(["listops"], ["flarepp", "attention"], tmp_path, **options,
-                                 overrides=[*TINY_MODEL, "lr=1e30", "div_factor=1.0"])
-    assert results == [] and any("failed" in line for line in lines)
+                   data_roots={"listops": str(listops)},
+                   overrides=[*TINY_MODEL, "lr=1e30", "div_factor=1.0"])
+    study = create_study(tmp_path, lra_study(["listops"], ["flarepp", "attention"], **options))
+    done = run_study(study, tmp_path, log=lines.append)
+    assert done["failed"] == ["listops/flarepp/seed0", "listops/attention/seed0"]
+    assert any("failed" in line for line in lines)
     assert (tmp_path / "runs/listops/flarepp/seed0/failed.json").exists()
     assert (tmp_path / "runs/listops/attention/seed0/failed.json").exists()
     lines.clear()
-    run_lra_comparison(["listops"], ["flarepp"], tmp_path, **options,
-                       overrides=[*TINY_MODEL, "lr=1e30", "div_factor=1.0"])
-    assert lines == [f"[1/1] listops flarepp seed 0: failed before "
-                     f"({tmp_path / 'runs/listops/flarepp/seed0/failed.json'}); not retried"]
+    done = run_study(study, tmp_path, log=lines.append)
+    assert done["failed"] == [] and done["finished"] == [] and len(lines) == 2
+    assert lines[0].startswith("[1/2] listops/flarepp/seed0: failed before (final, not "
+                               "retried): loss became")

@@ -1,10 +1,12 @@
 """Contract tests generated from the mixer registry: every registered mixer gets them.
 
-A mixer may declare ``permutation_equivariant = False`` or ``supports_mask = False`` as
-class attributes; it is then checked for a clear error instead of the property. One that
+A mixer may declare ``supports_mask = False`` as a class attribute; it is then checked for
+a clear error instead of the property. One that declares ``permutation_equivariant = False``
+is checked for the symmetry its definition keeps instead (ORDER_SYMMETRIES). One that
 declares ``stochastic_in_training = True`` is checked in eval mode.
 """
 
+import copy
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from flarepp.mixers import MIXERS
 from reference import assert_backend_parity
 
 NAMES = MIXERS.names()
+EQUIVARIANT = [n for n in NAMES if getattr(MIXERS.get(n), "permutation_equivariant", True)]
+ORDER_DEPENDENT = [n for n in NAMES if n not in EQUIVARIANT]
 SMALL = dict(dim=16, heads=2, latents=4)
 
 
@@ -27,10 +31,6 @@ def make(name, dtype=torch.float64, **kw):
 
 def supports_mask(mixer):
     return getattr(mixer, "supports_mask", True)
-
-
-def equivariant(mixer):
-    return getattr(mixer, "permutation_equivariant", True)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -81,18 +81,123 @@ def test_fused_matches_explicit_backend(name):
                            "of its explicit form")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", EQUIVARIANT)
 def test_permutation_equivariance(name):
-    """Permuting the tokens permutes the outputs: mesh points carry no order."""
+    """Permuting the tokens permutes the outputs: mesh points carry no order. A mixer that
+    declares ``permutation_equivariant = False`` is checked by the next test instead."""
     mixer = make(name)
     x = torch.randn(2, 21, SMALL["dim"], dtype=torch.float64)
     perm = torch.randperm(21)
-    if not equivariant(mixer):
-        # Declared order-dependent (e.g. AB-UPT's anchors once N > anchors): it must still
-        # be a deterministic function of its input in eval mode.
-        torch.testing.assert_close(mixer(x), mixer(x.clone()), rtol=0, atol=0)
-        return
     torch.testing.assert_close(mixer(x)[:, perm], mixer(x[:, perm]), rtol=1e-10, atol=1e-10)
+
+
+# An order-dependent mixer is not equivariant under every permutation, but under a known
+# subgroup, which follows from its definition. Each entry maps (mixer, N, generator) to
+# checks ``(what, perm, positions, permuted_mixer)``: ``permuted_mixer(x[:, perm])`` equals
+# ``mixer(x)[:, perm]`` at ``positions``. A new order-dependent mixer must say here which
+# symmetry it keeps.
+
+def _within(blocks: list[torch.Tensor], n: int, generator: torch.Generator) -> torch.Tensor:
+    """A permutation of range(n) that shuffles the positions of each block among themselves."""
+    perm = torch.arange(n)
+    for block in blocks:
+        perm[block] = block[torch.randperm(len(block), generator=generator)]
+    return perm
+
+
+def _future_never_reaches_the_past(mixer, n, generator):
+    t0 = n // 2
+    return [("shuffling the tokens after t0 leaves outputs before t0 unchanged",
+             _within([torch.arange(t0, n)], n, generator), torch.arange(t0), mixer)]
+
+
+def _past_is_a_set(mixer, n, generator):
+    # Causal attention and causal FLARE: Y_t depends on x_t and on the set {x_u : u < t},
+    # a softmax (or latent encode) summed over the prefix with no positional term.
+    # Not causal FLARE++: it scores token u with the routing query synthesised from the
+    # tokens before u, so the order of the past matters there.
+    t0 = n // 2
+    return _future_never_reaches_the_past(mixer, n, generator) + [
+        ("shuffling the tokens before t0 leaves outputs from t0 on unchanged",
+         _within([torch.arange(t0)], n, generator), torch.arange(t0, n), mixer)]
+
+
+def _anchor_set_symmetry(mixer, n, generator):
+    # Anchors are picked by position; a permutation mapping the anchor positions onto
+    # themselves (and the rest onto the rest) keeps the anchor set and the queries' set.
+    index = mixer.anchor_indices(None, 1, n, torch.device("cpu"))[0][0]
+    rest = torch.tensor(sorted(set(range(n)) - set(index.tolist())))
+    return [("permuting anchors among anchors and the rest among the rest",
+             _within([index, rest], n, generator), torch.arange(n), mixer)]
+
+
+def _reversal_symmetry(mixer, n, generator):
+    # cosFormer's weight between tokens i and j is relu(q_i).relu(k_j) cos(pi (i - j) / 2M):
+    # it depends on |i - j|, so reversing the sequence is a symmetry.
+    return [("reversing the sequence", torch.arange(n - 1, -1, -1), torch.arange(n), mixer)]
+
+
+def _segment_symmetry(mixer, n, generator):
+    # Landmarks are means over M contiguous segments (n a multiple of M here): shuffling
+    # tokens inside a segment leaves every landmark, hence every output, in place.
+    M = mixer.config.latents
+    assert n % M == 0
+    return [("shuffling tokens within each landmark segment",
+             _within(list(torch.arange(n).view(M, -1)), n, generator), torch.arange(n), mixer)]
+
+
+def _projection_column_symmetry(mixer, n, generator):
+    # Column j of E and F belongs to position j: permuting the tokens together with those
+    # columns leaves E K and F V, hence every token's output, unchanged.
+    perm = torch.randperm(n, generator=generator)
+    permuted = copy.deepcopy(mixer)
+    with torch.no_grad():
+        for projection in (permuted.key_projection, permuted.value_projection):
+            if projection is not None:
+                projection[:, :, :n] = projection[:, :, perm].clone()
+    return [("permuting the tokens with the columns of E and F", perm, torch.arange(n),
+             permuted)]
+
+
+ORDER_SYMMETRIES = {
+    "attention-causal": _past_is_a_set,
+    "flare-causal": _past_is_a_set,
+    "flarepp-causal": _future_never_reaches_the_past,
+    "abupt": _anchor_set_symmetry,
+    "cosformer": _reversal_symmetry,
+    "nystromformer": _segment_symmetry,
+    "linformer": _projection_column_symmetry,
+    "linformer-kv": _projection_column_symmetry,
+}
+ORDER_OPTIONS = {"abupt": {"anchors": 5}}  # fewer anchors than tokens, else it is attention
+
+
+@pytest.mark.parametrize("name", ORDER_DEPENDENT)
+def test_order_dependent_mixer_keeps_its_symmetry(name):
+    """A mixer declared ``permutation_equivariant = False`` is (a) really order-dependent:
+    a random permutation of 20 tokens changes its outputs by more than 1e-3 -- a failure
+    means the positional part was lost (a causal mask dropped, AB-UPT attending to every token, cosFormer's
+    angles constant) or the declaration is wrong; and (b) equivariant, to 1e-10 in
+    float64, under the permutations its definition allows (ORDER_SYMMETRIES: for causal
+    mixers the future never reaches the past) -- a failure means a leak of the future, an
+    off-by-one in a causal mask, or anchors, segments or projection columns that do not
+    sit where the definition puts them."""
+    assert name in ORDER_SYMMETRIES, (
+        f"{name} declares permutation_equivariant = False: add the permutations it is still "
+        "equivariant under to ORDER_SYMMETRIES")
+    mixer = make(name, **ORDER_OPTIONS.get(name, {}))
+    n = 20
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, n, SMALL["dim"], dtype=torch.float64)
+    y = mixer(x)
+    shuffled = torch.randperm(n, generator=generator)
+    change = (mixer(x[:, shuffled]) - y[:, shuffled]).abs().max()
+    assert change > 1e-3, f"{name}: a random permutation changed the outputs by {change:.1e}"
+    for what, perm, positions, permuted_mixer in ORDER_SYMMETRIES[name](mixer, n, generator):
+        assert not torch.equal(perm, torch.arange(n)), what
+        got = permuted_mixer(x[:, perm])[:, positions]
+        torch.testing.assert_close(got, y[:, perm][:, positions], rtol=1e-10, atol=1e-10,
+                                   msg=lambda m: f"{name}, {what}: {m}")
 
 
 @pytest.mark.parametrize("name", NAMES)

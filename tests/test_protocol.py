@@ -11,8 +11,8 @@ import torch
 from flarepp.data import DatasetSplits, MeshSamples
 from flarepp.tasks.fields import (FieldTask, fit_input_normalizer, gradient_relative_l2_sum,
                                   relative_l2_sum, resolve_input_norm)
-from flarepp.train import RunConfig, Trainer, get_preset
-from flarepp.train.config import LEGACY_PROTOCOL
+from flarepp.train import RunConfig, Trainer, check_run_config, get_preset
+from flarepp.storage.config import CONFIG_VERSION, LEGACY_PROTOCOL, VERSION_KEY
 from flarepp.train.optim import build_optimizer, build_scheduler, split_decay
 
 def IDENTITY(t):
@@ -46,7 +46,7 @@ def run_config(**kw):
     base = dict(name="protocol-test", dataset="npz", data_root="unused",
                 model=dict(mixer="flarepp", dim=8, heads=2, latents=4, blocks=1), epochs=2,
                 batch_size=3, device="cpu")
-    return RunConfig(**{**base, **kw})
+    return check_run_config(RunConfig(**{**base, **kw}))
 
 
 # -- hand computations (float64, loops) ------------------------------------------------------
@@ -296,10 +296,27 @@ def test_stored_configs_without_protocol_fields_keep_their_protocol():
     stored = get_preset("darcy-tiny").to_dict()
     for key in LEGACY_PROTOCOL:
         stored.pop(key)
-    config = RunConfig.from_dict(json.loads(json.dumps(stored)))
+    stored.pop(VERSION_KEY)    # as written before the version was
+    config = RunConfig.from_stored(json.loads(json.dumps(stored)))
     assert {k: getattr(config, k) for k in LEGACY_PROTOCOL} == LEGACY_PROTOCOL
     fresh = get_preset("darcy-tiny")
-    assert RunConfig.from_dict(json.loads(json.dumps(fresh.to_dict()))) == fresh
+    assert RunConfig.from_stored(json.loads(json.dumps(fresh.to_dict()))) == fresh
+    assert RunConfig.from_stored(json.loads(json.dumps(fresh.to_file()))) == fresh
+
+
+def test_a_users_partial_config_gets_todays_defaults(tmp_path):
+    """A hand-written config.json (no version) trains with today's defaults, not the legacy
+    protocol; the run's own config.json names the version that wrote it, in sections."""
+    user = RunConfig.from_dict({"dataset": "darcy", "model": {"mixer": "flare"}})
+    defaults = RunConfig(name="darcy", dataset="darcy", model={"mixer": "flare"})
+    assert user == defaults
+    assert {k: getattr(user, k) for k in LEGACY_PROTOCOL} != LEGACY_PROTOCOL
+    written = defaults.to_file()
+    assert written[VERSION_KEY] == CONFIG_VERSION
+    assert written["protocol"]["loss"] == "reference" and written["data"]["dataset"] == "darcy"
+    assert RunConfig.from_dict(written) == defaults
+    with pytest.raises(ValueError, match="both in section 'data' and at the top"):
+        RunConfig.from_dict({"dataset": "darcy", "data": {"dataset": "darcy"}})
 
 
 def test_trainer_writes_param_groups(tmp_path):

@@ -101,7 +101,7 @@ def test_resume_refuses_other_data_and_eval_finds_the_runs_data(darcy_dir, tmp_p
     out = tmp_path / "run"
     config = get_preset("darcy-tiny", TINY)
     train(config, out, data_root=darcy_dir, progress=False, stop_after=1)
-    from flarepp.train.rundir import DataMismatch
+    from flarepp.data.fingerprint import DataMismatch
     with pytest.raises(DataMismatch, match="different training split"):
         train(config, out, data_root=other, progress=False, resume=True)
     metrics = train(config, out, data_root=darcy_dir, progress=False, resume=True)

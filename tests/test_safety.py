@@ -25,11 +25,11 @@ import torch
 
 from flarepp.data import DataError, MeshSamples, Normalizer, load_dataset
 from flarepp.io import atomic_write_json, is_temporary
-from flarepp.train.checkpoint import (CheckpointError, atomic_write, newest_readable_checkpoint,
-                                      read_checkpoint, remove_stale_temporaries,
-                                      save_checkpoint)
-from flarepp.train.rundir import (DataMismatch, RunLock, RunLocked, check_same_data,
-                                  data_fingerprint)
+from flarepp.data.fingerprint import DataMismatch, check_same_data, data_fingerprint
+from flarepp.storage.checkpoint import (CheckpointError, atomic_write, newest_readable_checkpoint,
+                                        read_checkpoint, remove_stale_temporaries,
+                                        save_checkpoint)
+from flarepp.storage.rundir import RunLock, RunLocked
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -242,7 +242,7 @@ def test_resume_falls_back_to_the_newest_readable_checkpoint(tmp_path):
 
 _HOLD_LOCK = """
     import sys
-    from flarepp.train.rundir import RunLock
+    from flarepp.storage.rundir import RunLock
     with RunLock({out!r}):
         print("locked", flush=True)
         sys.stdin.readline()  # hold until the test closes stdin
@@ -263,7 +263,7 @@ def test_a_second_process_cannot_take_a_held_run_lock(tmp_path):
         assert f"process {holder.pid} on host {socket.gethostname()!r}" in message
         assert "sys.stdin.readline()" in message and "choose another --out" in message
         second = _python(f"""
-            from flarepp.train.rundir import RunLock, RunLocked
+            from flarepp.storage.rundir import RunLock, RunLocked
             try:
                 RunLock({str(out)!r}).acquire()
             except RunLocked as err:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flarepp
-from flarepp.data.lra import LRA_TASKS
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 from flarepp.models.sequence import (
     SequenceClassifier,
     SequenceClassifierConfig,
@@ -185,11 +185,11 @@ def test_not_token_shardable():
         context_parallel(make(mixer="flare"), group=None)
 
 
-@pytest.mark.parametrize("task", LRA_TASKS.names())
+@pytest.mark.parametrize("task", LRA_BENCHMARKS.names())
 def test_task_table_builds_tiny_models(task):
     """Every task's tiny settings build a classifier for FLARE++, FLARE and attention and
     classify a small batch (two documents for Retrieval)."""
-    entry = LRA_TASKS.get(task)
+    entry = LRA_BENCHMARKS.get(task)
     for mixer in ("flarepp", "flare", "attention"):
         config = entry.model_config(vocab_size=V, num_classes=K, max_length=MAX_N,
                                     mixer=mixer, size="tiny")

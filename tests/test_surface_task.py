@@ -26,9 +26,10 @@ from flarepp.data.drivaerml import (PRESSURE_ARRAY, WALL_SHEAR_ARRAY,  # noqa: E
 from flarepp.data.generators import make_surface_flow  # noqa: E402
 from flarepp.distributed import run_on_ranks  # noqa: E402
 from flarepp.tasks import build_task  # noqa: E402
-from flarepp.tasks.surface import CASE_FILE, ERRORS_FILE, subset_cells  # noqa: E402
-from flarepp.train import Engine, RunConfig, Trainer  # noqa: E402
-from flarepp.train.batching import epoch_keys  # noqa: E402
+from flarepp.plots3d import CASE_FILE  # noqa: E402
+from flarepp.tasks.surface import ERRORS_FILE, subset_cells  # noqa: E402
+from flarepp.train import Engine, RunConfig, Trainer, check_run_config  # noqa: E402
+from flarepp.inference.batching import epoch_keys  # noqa: E402
 from flarepp.train.loop import epoch_seed  # noqa: E402
 
 CELLS = 1500          # per generated surface
@@ -40,10 +41,11 @@ def config(data: str, **kw) -> RunConfig:
                **kw.pop("dataset_options", {})}
     model = {"mixer": "flarepp", "dim": 16, "heads": 2, "blocks": 2, "latents": 4,
              **kw.pop("model", {})}
-    return RunConfig(**{"name": "surface-test", "task": "surface", "dataset": "drivaerml",
-                        "data_root": data, "dataset_options": options, "model": model,
-                        "epochs": 2, "batch_size": 1, "lr": 3e-3, "weight_decay": 1e-4,
-                        "ema_decay": 0.9, "device": "cpu", "checkpoint_every": 1, **kw})
+    return check_run_config(RunConfig(**{
+        "name": "surface-test", "task": "surface", "dataset": "drivaerml", "data_root": data,
+        "dataset_options": options, "model": model, "epochs": 2, "batch_size": 1, "lr": 3e-3,
+        "weight_decay": 1e-4, "ema_decay": 0.9, "device": "cpu", "checkpoint_every": 1,
+        **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +190,8 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
     run that saved another car), and the Figure 13-14 pictures and curves drawn from the run
     directory."""
     from flarepp.cli import main
-    from flarepp.tasks.surface import plot_surface_run, predict_run_case
+    from flarepp.inference.surface import predict_run_case
+    from flarepp.plots3d import plot_surface_run
     out = tmp_path / "run"
     metrics = Trainer(config(data), out, progress=False).fit()
     assert np.isfinite(metrics["test_nmse"]) and metrics["task"] == "surface"
@@ -273,19 +276,21 @@ def test_pareto_study_trains_the_grid_and_marks_the_front(data, tmp_path):
     epoch each: every run is timed (its cost from a separate timing run) and finishes,
     a second pass redoes nothing, the report has the matched ratios, and the front is the
     non-dominated set."""
-    from flarepp.experiments.pareto import (ParetoSpec, open_pareto, pareto_front,
-                                            pareto_points, run_pareto, write_report)
+    from flarepp.experiments.engine import create_study, open_study, run_study
+    from flarepp.experiments.report_cost import pareto_front
+    from flarepp.experiments.reports import write_report
+    from flarepp.experiments.studies import pareto_study
     assert pareto_front([1, 2, 3, 4, 2], [5, 4, 4.5, 1, 4]) == [0, 1, 3]
-    points = pareto_points(["flare", "flarepp", "abupt"], [1], [2, 4], [0], anchors=64)
-    assert [p.name for p in points] == ["flare_B-1_M-2_seed-0", "flare_B-1_M-4_seed-0",
-                                        "flarepp_B-1_M-2_seed-0", "flarepp_B-1_M-4_seed-0",
-                                        "abupt_B-1_A-64_seed-0"]
-    points = [p for p in points if "M-4" not in p.name]      # 3 runs: FLARE, FLARE++, AB-UPT
-    base = config(data, epochs=1)
+    study = pareto_study(config(data, epochs=1), ["flare", "flarepp", "abupt"], [1], [2, 4],
+                         [0], anchors=64, timing_epochs=1)
+    assert [p.name for p in study.points] == [
+        "flare_B-1_M-2_seed-0", "flare_B-1_M-4_seed-0", "flarepp_B-1_M-2_seed-0",
+        "flarepp_B-1_M-4_seed-0", "abupt_B-1_A-64_seed-0"]
+    # 3 runs: FLARE, FLARE++, AB-UPT
+    study.points = [p for p in study.points if "M-4" not in p.name]
     out = tmp_path / "pareto"
-    spec = open_pareto(out, ParetoSpec(base, points, data))
-    done = run_pareto(spec, out, timing_epochs=1, log=lambda _: None)
-    assert sorted(done["finished"]) == sorted(p.name for p in points)
+    done = run_study(create_study(out, study), out, log=lambda _: None)
+    assert sorted(done["finished"]) == sorted(p.name for p in study.points)
     paths = write_report(out)
     report = paths["markdown"].read_text()
     assert "FLARE++ is lower in" in report and paths["figure5"].stat().st_size > 10_000
@@ -293,7 +298,7 @@ def test_pareto_study_trains_the_grid_and_marks_the_front(data, tmp_path):
         rows = list(csv.DictReader(f))
     assert all(float(r["hours"]) > 0 and r["status"] == "done" for r in rows)
     assert all(r["estimate"] == "timing run, CPU time" for r in rows)   # cost.json of each
-    assert run_pareto(open_pareto(out, None), out, log=lambda _: None)["finished"] == []
+    assert run_study(open_study(out), out, log=lambda _: None)["finished"] == []
 
 
 @pytest.mark.parametrize("change, message", [

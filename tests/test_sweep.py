@@ -1,108 +1,145 @@
-"""``flarepp sweep``: the grid, kill-and-resume, several processes on one directory, the
-report (tables, Figure 4 / 7 data, Table 11 statistics) and the SDPA scale in reports."""
+"""The one experiment engine behind ``flarepp sweep`` (and compare, lra compare, drivaerml
+pareto): the grid, the locked creation of a study with resolved paths, one rule for
+"finished" (config and data fingerprint), one failure policy (numerical failures final,
+environment errors resumable), kill-and-resume with several processes, every task's own
+metric in the report, and the one seed aggregation."""
 
 import csv
+import errno
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from flarepp.experiments.compare import markdown_table
-from flarepp.experiments.sweep import (SweepSpec, grid_points, open_sweep, parse_axes,
-                                       precision_ratios, seed_table, split_values)
-from flarepp.train import get_preset
+from flarepp.cli import main
+from flarepp.experiments.engine import StudyConflict, create_study, read_events, run_study
+from flarepp.experiments.reports import aggregate, collect, precision_ratios, write_report
+from flarepp.experiments.studies import grid_names, parse_axes, split_values, sweep_study
 
 TINY = ["epochs=8", "checkpoint_every=1", "model.dim=8", "model.heads=2", "model.latents=4",
         "batch_size=4"]
 GRID = ["model.mixer=flare,flarepp", "model.blocks=1,2", "seed=0,1"]
+QUIET = dict(log=lambda _: None)
+
+
+def _npz(path: Path, seed: int = 0, n: int = 24) -> Path:
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 40, 2)).astype(np.float32)
+    np.savez(path, x=x, y=(np.sin(3 * x[..., :1]) + x[..., 1:] ** 2))
+    return path
+
+
+def _sets(items):
+    return [a for s in items for a in ("--set", s)]
 
 
 def test_grid_parsing_and_point_names():
     assert split_values("flare,flarepp") == ["flare", "flarepp"]
     assert split_values("[none,none,standard],standard") == ["[none,none,standard]",
                                                              "standard"]
-    axes = parse_axes(["model.mixer=flare,flarepp", "seed=0,1,2"])
-    points = grid_points(axes)
-    assert [p.name for p in points][:2] == ["mixer-flare_seed-0", "mixer-flare_seed-1"]
-    assert len(points) == 6 and points[-1].overrides == ["model.mixer=flarepp", "seed=2"]
+    points = grid_names(parse_axes(["model.mixer=flare,flarepp", "seed=0,1,2"]))
+    assert [n for n, _ in points][:2] == ["mixer-flare_seed-0", "mixer-flare_seed-1"]
+    assert len(points) == 6 and points[-1][1] == (("model.mixer", "flarepp"), ("seed", "2"))
     for bad in (["seed"], ["seed=0,,1"], ["seed=0,0"], ["seed=0", "seed=1"]):
         with pytest.raises(ValueError):
             parse_axes(bad)
 
 
-def test_a_bad_point_fails_before_training(tmp_path):
-    """Every point's config is checked when the sweep starts; a directory holding another
-    sweep is refused."""
-    spec = SweepSpec(get_preset("npz"), parse_axes(["model.latnts=2,4"]), "d.npz")
+def test_a_study_is_checked_resolved_and_created_once(tmp_path, monkeypatch):
+    """Every point's config is checked when the study is made; its data paths are stored
+    resolved (a process joining from another directory reads the same data); a grid over
+    data_root gives each point its own data; a directory holding another study is refused.
+    A failure points to the spec (a relative path stored, --grid data_root ignored)."""
     with pytest.raises(ValueError, match="latnts"):
-        open_sweep(tmp_path / "a", spec)
-    open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,1"]), "d"))
-    with pytest.raises(ValueError, match="another sweep"):
-        open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,2"]), "d"))
-    # a sweep stored before a config field existed is the same sweep for this version
-    stored = json.loads((tmp_path / "b" / "sweep.json").read_text())
-    del stored["base"]["eval_chunk_size"]
-    (tmp_path / "b" / "sweep.json").write_text(json.dumps(stored))
-    open_sweep(tmp_path / "b", SweepSpec(get_preset("npz"), parse_axes(["seed=0,1"]), "d"))
+        sweep_study("npz", parse_axes(["model.latnts=2,4"]), data="d.npz")
+    monkeypatch.chdir(tmp_path)
+    study = create_study("sw", sweep_study("npz", parse_axes(["seed=0,1"]), data="d.npz"))
+    assert {p.config.data_root for p in study.points} == {str(tmp_path / "d.npz")}
+    grid = sweep_study("npz", parse_axes(["data_root=a.npz,b.npz"]), data="d.npz")
+    assert [p.config.data_root for p in create_study("g", grid).points] == [
+        str(tmp_path / "a.npz"), str(tmp_path / "b.npz")]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the same command from another directory
+    with pytest.raises(StudyConflict, match="data_root differ"):
+        create_study("../sw", sweep_study("npz", parse_axes(["seed=0,1"]), data="d.npz"))
+    assert create_study("../sw", sweep_study("npz", parse_axes(["seed=0,1"]),
+                                             data="../d.npz")).points == study.points
+    with pytest.raises(StudyConflict, match="another study"):
+        create_study("../sw", sweep_study("npz", parse_axes(["seed=0,2"]), data="../d.npz"))
 
 
-def test_seed_table_and_precision_ratio_statistics():
+def test_two_studies_started_at_the_same_instant_are_not_both_accepted(tmp_path):
+    """Creation is locked: of two different studies created at once on one directory,
+    exactly one is stored and the other is refused (before: the last sweep.json won and
+    the other's runs vanished from the report)."""
+    barrier, outcomes = threading.Barrier(8), []
+
+    def start(seeds: str) -> None:
+        study = sweep_study("npz", parse_axes([f"seed={seeds}"]), data=str(tmp_path / "d"))
+        barrier.wait()
+        try:
+            create_study(tmp_path / "sw", study)
+            outcomes.append(("ok", seeds))
+        except StudyConflict:
+            outcomes.append(("refused", seeds))
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in ["0,1", "0,2"] * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    accepted = {s for what, s in outcomes if what == "ok"}
+    assert len(accepted) == 1 and len(outcomes) == 8
+    stored = json.loads((tmp_path / "sw" / "study.json").read_text())
+    assert [p["labels"]["seed"] for p in stored["points"]] == accepted.pop().split(",")
+
+
+def test_one_seed_aggregation_and_precision_ratio():
     """Table 11 uses the sample standard deviation (ddof 1); Figure 7's ratio is the mean
-    16-bit error over the mean FP32 error of the same mixer, depth and budget."""
+    16-bit metric over the mean FP32 metric of the same mixer, depth and budget; failed and
+    pending runs are left out."""
     rows = [dict(status="done", mixer="flare", sdpa_scale="1", blocks=2, latents=8,
-                 precision=p, seed=s, test_rel_l2=t, train_rel_l2=t / 2,
-                 **{"model.mixer": "flare"})
+                 precision=p, seed=s, value=t, train_value=t / 2)
             for p, s, t in [("fp32", 0, 0.10), ("fp32", 1, 0.14), ("fp16", 0, 0.15),
                             ("fp16", 1, 0.21)]]
-    table = {t["precision"]: t for t in seed_table(rows, ["model.mixer", "precision", "seed"])}
-    assert table["fp32"]["test_mean"] == pytest.approx(0.12)
-    assert table["fp32"]["test_std"] == pytest.approx(math.sqrt(0.0008))
-    assert table["fp16"]["seeds"] == 2 and table["fp16"]["train_mean"] == pytest.approx(0.09)
+    rows.append(dict(rows[0], status="failed", value=float("nan")))
+    groups = {g.key["precision"]: g for g in aggregate(rows, ["mixer", "precision"])}
+    mean, std, n = groups["fp32"].stats()
+    assert (mean, n) == (pytest.approx(0.12), 2) and std == pytest.approx(math.sqrt(0.0008))
+    assert groups["fp16"].stats("train_value")[0] == pytest.approx(0.09)
     (ratio,) = precision_ratios(rows)
     assert ratio["ratio"] == pytest.approx(0.18 / 0.12)
 
 
-def test_compare_table_states_the_scales():
-    results = [dict(model=m, label=m, dataset="darcy", seed=0, sdpa_scale=s, test_rel_l2=0.1,
-                    train_rel_l2=0.1, params=1, seconds=1, epochs=1, n_points=484)
-               for m, s in (("flare", "1"), ("flarepp", "1/sqrt(16)"))]
-    table = markdown_table(results)
-    assert "SDPA scale each model ran with" in table
-    assert "FLARE 1" in table and "FLARE++ 1/sqrt(16)" in table
+def _run(cmd, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "flarepp", *cmd, "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-def _sweep_cmd(*args):
-    return [sys.executable, "-m", "flarepp", "sweep", *args, "--quiet"]
-
-
-def _events(out):
-    path = out / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
+@pytest.mark.slow
 def test_killed_sweep_resumes_and_two_processes_share_it(tmp_path):
     """A 2 x 2 x 2 sweep is SIGKILLed while a point is half-trained (it has a checkpoint, no
     metrics), then continued by two processes at once: every point ends exactly once, the
     half-trained one resumes from its checkpoint, finished points are not redone, each
     run's log holds every epoch once, and the report's tables and Figure 4 exist."""
-    rng = np.random.default_rng(0)
-    x = rng.random((24, 40, 2)).astype(np.float32)
-    np.savez(tmp_path / "d.npz", x=x, y=(np.sin(3 * x[..., :1]) + x[..., 1:] ** 2))
+    data = _npz(tmp_path / "d.npz")
     out = tmp_path / "sw"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = _sweep_cmd("npz", "--data", str(tmp_path / "d.npz"), "--out", str(out),
-                       *[a for s in TINY for a in ("--set", s)], "--grid", *GRID)
-    first = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    start = ["sweep", "npz", "--data", str(data), "--out", str(out), *_sets(TINY),
+             "--grid", *GRID]
+    first = _run(start)
     half = None
     deadline = time.monotonic() + 600
     while half is None and first.poll() is None and time.monotonic() < deadline:
-        finished = {e["point"] for e in _events(out) if e["event"] == "finish"}
+        finished = {e["point"] for e in read_events(out) if e["event"] == "finish"}
         for run in (out / "runs").glob("*") if (out / "runs").exists() else []:
             if finished and run.name not in finished and any(run.glob("checkpoints/*.pt")):
                 half = run.name
@@ -111,27 +148,24 @@ def test_killed_sweep_resumes_and_two_processes_share_it(tmp_path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert half is not None, "the first process ended before it could be killed mid-point"
-    done_before = {e["point"] for e in _events(out) if e["event"] == "finish"}
-    second = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    third = subprocess.Popen(_sweep_cmd("--out", str(out)), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    done_before = {e["point"] for e in read_events(out) if e["event"] == "finish"}
+    second = _run(start, cwd=tmp_path)
+    third = _run(["sweep", "--out", str(out)])
     for proc in (second, third):
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err.decode()[-2000:]
-    events = _events(out)
-    names = [p.name for p in grid_points(parse_axes(GRID))]
-    finishes = [e["point"] for e in events if e["event"] == "finish"]
-    assert sorted(finishes) == sorted(names)  # every point exactly once
+    events = read_events(out)
+    names = [n for n, _ in grid_names(parse_axes(GRID))]
+    assert sorted(e["point"] for e in events if e["event"] == "finish") == sorted(names)
     assert any(e["point"] == half and e["event"] == "resume" for e in events)
-    later = [e for e in events if e["pid"] not in (first.pid,)]
+    later = [e for e in events if e["pid"] != first.pid]
     assert not any(e["point"] in done_before and e["event"] in ("start", "resume")
                    for e in later)
     for name in names:
         log = [json.loads(line) for line in (out / "runs" / name / "log.jsonl").read_text()
                .splitlines()]
         assert [r["epoch"] for r in log] == list(range(1, 9))
-    report = subprocess.run(_sweep_cmd("report", str(out)), env=env, capture_output=True)
-    assert report.returncode == 0, report.stderr.decode()[-2000:]
+    assert main(["sweep", "report", str(out)]) == 0
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert len(rows) == 8 and all(r["status"] == "done" for r in rows)
     assert {r["mixer"]: r["sdpa_scale"] for r in rows} == {"flare": "1",
@@ -139,3 +173,122 @@ def test_killed_sweep_resumes_and_two_processes_share_it(tmp_path):
     text = (out / "report.md").read_text()
     assert "Table 11" in text and "± " in text and "Figure 4" in text
     assert (out / "fig4_depth_latents.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
+    """Two points: one diverges (lr 1e30), the other's second checkpoint write hits a full
+    disk (ENOSPC). The diverged point is final, recorded with its error and shown in the
+    report; the other is left resumable, shown pending with the disk error, and on the
+    rerun after space is freed resumes from its first checkpoint and finishes, while the
+    diverged one is not retried. Before: both got a permanent failed.json."""
+    import flarepp.train.loop as loop
+    data = _npz(tmp_path / "d.npz")
+    study = sweep_study("npz", parse_axes(["lr=1e-3,1e30"]), data=str(data),
+                        sets=[*TINY, "epochs=2", "div_factor=1.0"])
+    out = tmp_path / "sw"
+    create_study(out, study)
+    real_save = loop.save_checkpoint
+
+    def full_disk(path, state):
+        if state["epoch"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_save(path, state)
+
+    monkeypatch.setattr(loop, "save_checkpoint", full_disk)
+    done = run_study(study, out, **QUIET)
+    assert done["failed"] == ["lr-1e30"] and done["error"] == ["lr-0.001"]
+    assert not (out / "runs" / "lr-0.001" / "failed.json").exists()
+    _, rows = collect(out)
+    by = {r["point"]: r for r in rows}
+    assert by["lr-1e30"]["status"] == "failed" and "loss became" in by["lr-1e30"]["error"]
+    assert by["lr-0.001"]["status"] == "pending"
+    assert "No space left on device" in by["lr-0.001"]["error"]
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)  # space freed
+    assert main(["sweep", "--out", str(out), "--quiet"]) == 0
+    events = read_events(out)
+    assert [e["event"] for e in events if e["point"] == "lr-0.001"][-2:] == ["resume", "finish"]
+    assert [e["event"] for e in events if e["point"] == "lr-1e30"] == ["start", "fail"]
+    log = (out / "runs" / "lr-0.001" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in log] == [1, 2]
+    text = (out / "report.md").read_text()
+    assert "| failed |" in text and "loss became" in text
+
+
+@pytest.mark.slow
+def test_reuse_checks_the_data_fingerprint(tmp_path):
+    """A finished point is reused only while the data at its path is the data it was
+    trained on: after the data is regenerated there, the rerun does not reuse it and
+    leaves it pending with the mismatch (resumable: nothing is thrown away); with the data
+    restored it is reused again. Before: the stale result was reported as current."""
+    data = _npz(tmp_path / "d.npz")
+    out = tmp_path / "sw"
+    study = sweep_study("npz", parse_axes(["seed=0"]), data=str(data),
+                        sets=[*TINY, "epochs=1"])
+    assert run_study(study, out, **QUIET)["finished"] == ["seed-0"]
+    assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
+    original = data.read_bytes()
+    _npz(data, seed=1)  # regenerated at the same path
+    done = run_study(study, out, **QUIET)
+    assert done["error"] == ["seed-0"] and done["reused"] == []
+    (row,) = collect(out)[1]
+    assert row["status"] == "done"  # its own result, but the rerun said why it is not reused
+    assert any("DataMismatch" in (e.get("error") or "") for e in read_events(out))
+    data.write_bytes(original)
+    assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
+
+
+def _tiny_data(task: str, root: Path) -> list[str]:
+    """Tiny data for ``task``'s preset and the ``--set`` items that fit a run to it."""
+    if task == "rollout-tiny":
+        assert main(["data", "make", "advection-diffusion", "--out", str(root), "--train", "8",
+                     "--test", "4", "--resolution", "16", "--quiet"]) == 0
+        return ["dataset_options.n_train=8", "dataset_options.n_test=4", "model.dim=16",
+                "batch_size=4", f"data_root={root}"]
+    if task == "lm-tiny":
+        (root / "pkg").mkdir(parents=True)
+        for k in range(12):
+            (root / "pkg" / f"m{k}.py").write_text(f"def f{k}(x):\n    return x * {k}\n" * 30)
+        return ["dataset_options.n_train=32", "dataset_options.n_test=8",
+                "dataset_options.context=32", "model.dim=16", "batch_size=8",
+                f"data_root={root}"]
+    if task == "lra-listops-tiny":
+        from flarepp.data.lra import make_listops
+        make_listops(root, n_train=32, n_val=8, n_test=8, min_length=10, max_length=40,
+                     progress=False)
+        return ["model.dim=16", "model.heads=2", "model.blocks=1", "model.latents=4",
+                "batch_size=8",
+                f"data_root={root}"]
+    assert main(["data", "make", "surface-flow", "--out", str(root), "--train", "2",
+                 "--test", "1", "--resolution", "300", "--quiet"]) == 0
+    return ["model.dim=16", "model.latents=4", "dataset_options.cells_per_step=128",
+            f"data_root={root}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, metric", [
+    ("rollout-tiny", "rollout_rel_l2"), ("lm-tiny", "bits_per_byte"),
+    ("lra-listops-tiny", "accuracy"), ("drivaerml-tiny", "nmse")])
+def test_every_task_sweeps_and_reports_its_own_metric(preset, metric, tmp_path):
+    """`flarepp sweep PRESET --grid seed=0,1 --set epochs=1` on every task: one run per
+    point, and the report tabulates the task's own headline metric. Before, every task
+    but fields failed (`RolloutTask.__init__() got an unexpected keyword argument`)."""
+    sets = _tiny_data(preset, tmp_path / "data")
+    out = tmp_path / "sw"
+    argv = ["sweep", preset, "--grid", "seed=0,1", "--set", "epochs=1", "--set",
+            "pct_start=0.3", *_sets(sets), "--out", str(out), "--quiet", "--report"]
+    assert main(argv) == 0
+    runs = sorted(p.parent.name for p in out.glob("runs/*/metrics.json"))
+    assert runs == ["seed-0", "seed-1"]
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["status"] for r in rows] == ["done", "done"]
+    assert all(math.isfinite(float(r[f"test_{metric}"])) for r in rows)
+    assert f"test `{metric}`" in (out / "report.md").read_text()
+    assert main(argv) == 0  # the rerun reuses both
+    assert [e["event"] for e in read_events(out)].count("finish") == 2
+
+
+def test_report_reads_any_study(tmp_path):
+    """`flarepp sweep report DIR` of a directory without a study names the problem."""
+    with pytest.raises(FileNotFoundError, match="no study"):
+        write_report(tmp_path)

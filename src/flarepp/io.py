@@ -5,7 +5,7 @@ system), the temporary is flushed and ``fsync``-ed, renamed over the target with
 ``os.replace`` (atomic on POSIX), and the directory is ``fsync``-ed so that the rename itself
 survives a power loss. A process killed at any point leaves either the old file or the new
 one, plus at worst a temporary named ``.<target name>.<pid>.<random>.tmp``, which
-:func:`is_temporary` recognises and ``flarepp.train.checkpoint.remove_stale_temporaries``
+:func:`is_temporary` recognises and ``flarepp.storage.checkpoint.remove_stale_temporaries``
 removes.
 
 Permissions: the temporary is created with mode ``0o666`` filtered by the process umask,

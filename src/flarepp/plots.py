@@ -9,6 +9,7 @@ triangulation of the points for point clouds (triangles spanning holes are dropp
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -79,24 +80,69 @@ def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
     return written
 
 
-def plot_curves(log_path: Path, out_dir: Path) -> Path:
-    """Training loss and test relative L2 against epoch."""
-    records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    epochs = [r["epoch"] for r in records]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    a.semilogy(epochs, [r["train_loss"] for r in records])
-    a.set_xlabel("epoch"), a.set_ylabel("training loss (MSE, normalised)"), a.grid(alpha=.3)
-    ev = [(r["epoch"], 100 * r["test_rel_l2"]) for r in records if "test_rel_l2" in r]
-    if ev:
-        b.semilogy(*zip(*ev), marker="o", ms=3)
-    b.set_xlabel("epoch"), b.set_ylabel("test relative L2 [%] (EMA model)"), b.grid(alpha=.3)
-    path = out_dir / "curves.png"
+CURVES_FILE = "curves.png"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of a curve panel: the ``log.jsonl`` key it draws, times ``scale``."""
+
+    key: str
+    label: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axis of ``curves.png``: its y label, its lines, a log or linear y axis, and
+    horizontal reference lines ``(y, label, linestyle)`` (e.g. chance level)."""
+
+    ylabel: str
+    series: tuple[Series, ...]
+    log: bool = True
+    references: tuple[tuple[float, str, str], ...] = ()
+
+
+def read_log(run_dir: str | Path) -> list[dict]:
+    """The records of a run's ``log.jsonl`` (one per epoch)."""
+    log = Path(run_dir) / "log.jsonl"
+    if not log.is_file():
+        raise FileNotFoundError(f"{str(log)!r} not found: is {str(run_dir)!r} a flarepp run?")
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
+    """``curves.png`` of a run: one axis per panel, each series against epoch (a series
+    absent from the log is left out; sparse ones, e.g. evaluations every few epochs, get
+    markers). Every task draws its training curves through this one function."""
+    run_dir = Path(run_dir)
+    records = read_log(run_dir)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8),
+                             constrained_layout=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for series in panel.series:
+            points = [(r["epoch"], series.scale * r[series.key]) for r in records
+                      if series.key in r]
+            if not points:
+                continue
+            sparse = len(points) < len(records)
+            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=series.label)
+        for y, label, style in panel.references:
+            ax.axhline(y, color="gray", ls=style, lw=1, label=label)
+        if panel.log:
+            ax.set_yscale("log")
+        ax.set_xlabel("epoch"), ax.set_ylabel(panel.ylabel), ax.grid(alpha=.3)
+        if len(panel.series) + len(panel.references) > 1:
+            ax.legend()
+    path = run_dir / CURVES_FILE
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def plot_run(run_dir: str | Path, cases: int = 3) -> list[Path]:
+def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> list[Path]:
+    """The figures of a fields run: ``cases`` test cases (truth, prediction, error) and its
+    training curves."""
     run_dir = Path(run_dir)
     pred = run_dir / "test_predictions.npz"
     if not pred.is_file():
@@ -104,17 +150,9 @@ def plot_run(run_dir: str | Path, cases: int = 3) -> list[Path]:
                                 "flarepp run directory?")
     written = plot_cases(pred, run_dir, cases)
     if (run_dir / "log.jsonl").is_file():
-        written.append(plot_curves(run_dir / "log.jsonl", run_dir))
+        written.append(plot_curves(run_dir, panels))
     return written
 
 
-def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
-    """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
-    from flarepp.tasks import TASKS
-    run_dir = Path(run_dir)
-    config = run_dir / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{str(config)!r} not found: is {str(run_dir)!r} a flarepp "
-                                "run directory?")
-    task = json.loads(config.read_text()).get("task", "fields")
-    return TASKS.get(task).plot_run(run_dir, cases)
+__all__ = ["CURVES_FILE", "Panel", "Series", "plot_cases", "plot_curves", "plot_field_run",
+           "read_log"]

@@ -26,13 +26,14 @@ may abort a process, so it is not tried in this one), else matplotlib, and says 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import matplotlib
 
@@ -86,11 +87,12 @@ def median_case(case_errors: Sequence[float], subset: int = 10) -> int:
     return int(order[(len(order) - 1) // 2])
 
 
-def relative_l2(truth_NK: np.ndarray, prediction_NK: np.ndarray) -> float:
-    """``||prediction - truth|| / ||truth||`` over all cells and channels (float64)."""
-    truth = np.asarray(truth_NK, np.float64)
-    return float(np.linalg.norm(np.asarray(prediction_NK, np.float64) - truth)
-                 / max(np.linalg.norm(truth), 1e-300))
+def case_relative_l2(pred_NK: np.ndarray, true_NK: np.ndarray) -> float:
+    """``||pred - true|| / ||true||`` of one case over all cells and channels (float64);
+    the argument order of :func:`flarepp.tasks.fields.relative_l2`."""
+    true = np.asarray(true_NK, np.float64)
+    return float(np.linalg.norm(np.asarray(pred_NK, np.float64) - true)
+                 / max(np.linalg.norm(true), 1e-300))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,9 +465,59 @@ def plot_surface_cases(surfaces: Sequence, truths: Sequence[np.ndarray],
         model = select_by if select_by is not None else list(predictions)[-1]
         if model not in predictions:
             raise ValueError(f"select_by {model!r} is not one of {list(predictions)}")
-        case_errors = [relative_l2(truths[i], predictions[model][i])
+        case_errors = [case_relative_l2(predictions[model][i], truths[i])
                        for i in range(min(subset, n_cases))]
     chosen = median_case(case_errors, subset)
     return plot_surface_case(surfaces[chosen], truths[chosen],
                              {name: values[chosen] for name, values in predictions.items()},
                              out_dir, case_name=names[chosen], backend=backend, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# a surface run's figures
+
+CASE_FILE = "surface_case.npz"
+"""The case a finished surface run saved for Figures 13-14 (prediction and reference)."""
+
+
+
+def model_label(config: dict[str, Any]) -> str:
+    """``"flarepp, B=2, M=64"`` from a run's ``config.json``."""
+    model = config.get("model", {})
+    parts = [str(model.get("mixer", model.get("arch", "model")))]
+    parts += [f"{k}={model[key]}" for k, key in (("B", "blocks"), ("M", "latents"))
+              if key in model]
+    return ", ".join(parts)
+
+
+def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path]:
+    """Figures 13-14 of a finished surface run (reference, prediction and |error| in % of
+    the reference RMS over the visible cells, for ``p_s`` and ``|tau_w|``), from its
+    ``surface_case.npz`` and the case's ``.vtp``, and ``curves.png``."""
+    run_dir = Path(run_dir)
+    path = run_dir / CASE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a finished "
+                                "surface run?")
+    with np.load(path) as case:
+        pred, truth = case["pred"], case["truth"]
+        run, source, nmse = str(case["run"]), Path(str(case["source"])), float(case["nmse"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{str(source)!r}, the surface of the case in {str(path)!r}, "
+                                "is gone: the figures draw its polygons")
+    config = json.loads((run_dir / "config.json").read_text())
+    label = f"{model_label(config)} ({nmse:.3g}%)"
+    paths = plot_surface_case(source, truth, {label: pred}, run_dir, case_name=run,
+                              backend=backend)
+    if (run_dir / "log.jsonl").is_file():
+        paths.append(plot_surface_curves(run_dir))
+    return paths
+
+
+def plot_surface_curves(run_dir: Path) -> Path:
+    """``curves.png``: training loss (subsets, live weights) and the scored split's error
+    (every cell, EMA weights) against epoch, both 100 x MSE of standardised channels."""
+    from flarepp.plots import Panel, Series, plot_curves
+    return plot_curves(run_dir, [Panel("normalised MSE x 100 [%]", (
+        Series("train_loss", "training loss (cell subsets, live weights)"),
+        Series("test_nmse", "test, every cell (EMA weights)")))])

@@ -25,8 +25,10 @@ above ``memory_fraction`` of the available memory) or take too long (estimated t
 its steps above ``time_budget_s``). Estimates extrapolate the previous measured point of the
 same mixer linearly in B*N (memory) and at its achieved FLOP/s (time); a mixer's first
 point uses a prior of ``PRIOR_FLOATS_PER_TOKEN_PER_BLOCK`` saved floats of width C and
-``PRIOR_PEAK_FRACTION`` of the matmul peak. A point that fails anyway (out of memory, worker
-killed or timed out) is recorded as ``failed: ...``; the sweep goes on.
+``PRIOR_PEAK_FRACTION`` of the matmul peak. A point that runs out of memory anyway is
+recorded as ``skipped: out of memory ...``; one that fails otherwise (a kernel's input error,
+a worker killed or timed out) as ``failed: ...``. The sweep goes on either way, and
+:func:`failed_points` lists the failures, which make ``flarepp bench scaling`` exit non-zero.
 
 ``rounds`` > 1 measures every point that many times, round-robin over the mixers at each N
 (a fresh interpreter each time on CPU), and pools the timed steps: on a shared machine the
@@ -233,6 +235,15 @@ def worker_main() -> None:
                           "malloc": str(policy)}))
 
 
+class PointOutOfMemory(RuntimeError):
+    """A point ran out of the device's memory: reported as skipped, not as a failure."""
+
+
+def failed_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of points that failed (not those skipped, for memory or time)."""
+    return [r for r in records if str(r.get("status") or "").startswith("failed")]
+
+
 def _in_fresh_interpreter(config: ScalingConfig, job: dict[str, Any], timeout_s: float
                           ) -> dict[str, Any]:
     """Run ``job`` through :func:`worker_main` in a new interpreter; raise ``RuntimeError``
@@ -250,7 +261,8 @@ def _in_fresh_interpreter(config: ScalingConfig, job: dict[str, Any], timeout_s:
         raise RuntimeError(f"worker killed by signal {-done.returncode}{hint}")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
-        raise RuntimeError(f"worker exited with status {done.returncode}: {last}")
+        error = PointOutOfMemory if "OutOfMemoryError" in last else RuntimeError
+        raise error(f"worker exited with status {done.returncode}: {last}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -331,7 +343,9 @@ def run_scaling(config: ScalingConfig, *, log: Callable[[str], None] = print
                     continue
                 try:
                     results[mixer].append(_measure(config, mixer, n, record, dev))
-                except RuntimeError as err:  # out of memory, a worker killed or timed out
+                except PointOutOfMemory as err:
+                    record["status"] = f"skipped: {str(err).splitlines()[0]}"
+                except RuntimeError as err:  # a kernel's input error, a worker killed or timed out
                     record["status"] = f"failed: {str(err).splitlines()[0]}"
         for mixer, record in pending.items():
             if record["status"] is None:
@@ -407,7 +421,7 @@ def _measure(config: ScalingConfig, mixer: str, n: int, record: dict[str, Any],
         if dev.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-    raise RuntimeError(failure)
+    raise PointOutOfMemory(failure)
 
 
 def _finish(record: dict[str, Any], rounds: list[dict[str, Any]], peak: float) -> None:

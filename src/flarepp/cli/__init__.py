@@ -25,8 +25,9 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
     diverged loss, the file system, a failed rank): exit status 1."""
     from flarepp.data import DataError
     from flarepp.distributed import RankFailure
-    from flarepp.train.checkpoint import CheckpointError
-    from flarepp.train.rundir import DataMismatch, RunLocked
+    from flarepp.storage.checkpoint import CheckpointError
+    from flarepp.data.fingerprint import DataMismatch
+    from flarepp.storage.rundir import RunLocked
     return (DataError, CheckpointError, RunLocked, DataMismatch, FloatingPointError, OSError,
             RankFailure)
 
@@ -78,6 +79,20 @@ def parse_scalar(text: str) -> int | float | str:
     return text
 
 
+def at_least(low: int):
+    """An argparse ``type`` for an integer option that must be ``>= low``: anything else
+    is a usage error naming the option and the value (exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flarepp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -120,5 +135,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["COMPUTE_COMMANDS", "CLIError", "build_parser", "check_output", "main",
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "at_least", "build_parser", "check_output", "main",
            "parse_scalar"]

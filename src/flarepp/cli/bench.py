@@ -13,6 +13,7 @@ order, so this one, which creates ``bench``, comes first)::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from flarepp.device import DEVICE_HELP
@@ -50,8 +51,8 @@ def _sizes(text: str) -> list[int]:
 
 
 def _scaling(args: argparse.Namespace) -> int:
-    from flarepp.bench.scaling import (ScalingConfig, format_table, ratios, run_scaling,
-                                       write_outputs)
+    from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, ratios,
+                                       run_scaling, write_outputs)
     config = ScalingConfig(
         mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], sizes=args.n,
         batch=args.batch, dim=args.dim, heads=args.heads, blocks=args.blocks,
@@ -71,7 +72,10 @@ def _scaling(args: argparse.Namespace) -> int:
     if args.json:
         paths = write_outputs(result, Path(args.json))
         print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    failed = failed_points(result["records"])
+    for r in failed:
+        print(f"FAILED {r['mixer']} N={r['n']}: {r['status']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -28,7 +28,8 @@ def _bench_generate(args: argparse.Namespace) -> int:
     from flarepp.device import resolve_device
     from flarepp.io import atomic_write_json
     from flarepp.models import build_model
-    from flarepp.models.decoding import (format_points, load_causal_lm, measure_decoding,
+    from flarepp.storage.checkpoint import load_causal_lm
+    from flarepp.models.decoding import (format_points, measure_decoding,
                                          points_as_dicts)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from flarepp.cli import CLIError
 
@@ -17,20 +18,22 @@ def _names(text: str, known: list[str], what: str) -> list[str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.experiments import TABLE1_ORDER, run_comparison, write_outputs
+    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.experiments import TABLE1_ORDER
     from flarepp.experiments.comparison import PAPER_SETTINGS
+    from flarepp.experiments.studies import compare_study
     models = _names(args.models, TABLE1_ORDER, "model")
     datasets = _names(args.datasets, list(PAPER_SETTINGS), "dataset")
     if args.epochs is not None and args.epochs <= 0:
         raise CLIError(f"--epochs must be positive, got {args.epochs}")
-    results = run_comparison(models, datasets, args.out, epochs=args.epochs, seeds=args.seeds,
-                             scale=args.scale, data_root=args.data_root,
-                             overrides=args.set or [],
-                             log=(lambda _: None) if args.quiet else print)
-    paths = write_outputs(results, args.out)
-    print(paths["markdown"].read_text())
-    print("written: " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    study = compare_study(models, datasets, epochs=args.epochs, seeds=args.seeds,
+                          scale=args.scale, data_root=args.data_root, overrides=args.set or [],
+                          continue_with=continue_command(args.out))
+    code = execute(study, args.out, quiet=args.quiet)
+    table = Path(args.out) / "table.md"
+    if table.exists():
+        print(table.read_text())
+    return code
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def _demo(args: argparse.Namespace) -> int:
     from flarepp.data.generators.darcy import make_darcy
-    from flarepp.plots import plot_run
+    from flarepp.tasks import plot_run_dir
     from flarepp.train import get_preset, train
 
     data = Path(args.data)
@@ -20,7 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"))
     print(f"training {config.name} ({config.model['mixer']}, {config.epochs} epochs) into {out}")
     metrics = train(config, out, data_root=data, progress=not args.quiet)
-    figures = plot_run(out, cases=config.plot_cases)
+    figures = plot_run_dir(out, cases=config.plot_cases)
     print(f"\ntest relative L2 (EMA model): {100 * metrics['test_rel_l2']:.2f}%  "
           f"train: {100 * metrics['train_rel_l2']:.2f}%  params: {metrics['params']:,}  "
           f"time: {metrics['seconds']:.0f} s")

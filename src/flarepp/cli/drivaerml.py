@@ -34,31 +34,21 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _pareto(args: argparse.Namespace) -> int:
-    from flarepp.experiments.pareto import (ParetoSpec, open_pareto, pareto_points,
-                                            run_pareto, write_report)
+    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.experiments.studies import pareto_study
     if args.preset is None:
         if args.set or args.data:
             raise CLIError("--set and --data describe a new study: give its PRESET")
-        spec = open_pareto(args.out, None)
-    else:
-        from flarepp.train import get_preset
-        base = get_preset(args.preset, args.set or [])
-        if base.task != "surface":
-            raise CLIError(f"preset {args.preset!r} is not a surface-task preset (try "
-                           "drivaerml-tiny or drivaerml-b2-m64)")
-        points = pareto_points(args.mixers.split(","), args.blocks, args.latents, args.seeds,
-                               args.anchors)
-        spec = open_pareto(args.out, ParetoSpec(base, points, str(args.data or base.data_root)))
-    done = run_pareto(spec, args.out, log=(lambda _: None) if args.quiet else print)
-    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed, "
-          f"{len(done['skipped'])} held by other processes")
-    for path in write_report(args.out).values():
-        print(path)
-    return 0
+        return execute(None, args.out, quiet=args.quiet)
+    from flarepp.train import get_preset
+    study = pareto_study(get_preset(args.preset, args.set or []), args.mixers.split(","),
+                         args.blocks, args.latents, args.seeds, args.anchors, data=args.data,
+                         continue_with=continue_command(args.out))
+    return execute(study, args.out, quiet=args.quiet)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flarepp.experiments.pareto import write_report
+    from flarepp.experiments.reports import write_report
     for path in write_report(args.directory).values():
         print(path)
     return 0
@@ -66,7 +56,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _figures(args: argparse.Namespace) -> int:
     from flarepp.cli import check_output
-    from flarepp.tasks.surface import plot_runs_together
+    from flarepp.inference.surface import plot_runs_together
     check_output(args.out, directory=True)
     for path in plot_runs_together(args.runs, args.out, chunk_size=args.chunk_size,
                                    device=args.device, backend=args.backend):

@@ -30,7 +30,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from flarepp.device import resolve_device
     from flarepp.models.causal_lm import generate
-    from flarepp.models.decoding import load_causal_lm, state_bytes
+    from flarepp.models.decoding import state_bytes
+    from flarepp.storage.checkpoint import load_causal_lm
     prompt = args.prompt.encode("utf-8")
     if not prompt:
         raise CLIError("--prompt must hold at least one character")

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from flarepp.cli import CLIError, check_output
+from flarepp.cli import CLIError, at_least, check_output
 from flarepp.device import DEVICE_HELP
+
 
 def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
                                                   np.ndarray | None]:
     """``(x, y or None, mask or None)``: an inputs-only ``.npz`` (keys ``x``, ``mask``) or a
     split of the checkpoint's dataset read from ``--data``."""
-    from flarepp.data import load_dataset
+    from flarepp.data import MeshSamples, load_dataset
     path = Path(args.data)
     if path.suffix == ".npz" and path.is_file():
         with np.load(path) as f:
@@ -30,17 +32,53 @@ def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None
     dataset = args.dataset or c.dataset
     options = c.dataset_options if dataset == c.dataset else {}
     splits = load_dataset(dataset, path, **options)
-    samples = getattr(splits, args.split)
+    samples = getattr(splits, args.split, None)
+    if not isinstance(samples, MeshSamples):
+        raise CLIError(f"--dataset {dataset!r} is not read as (x, y) samples on meshes (it "
+                       f"holds {type(splits).__name__}), so a {c.task!r} checkpoint cannot "
+                       "predict it; give a dataset of the fields task (e.g. darcy, "
+                       "elasticity, npz)")
     return samples.x, samples.y, samples.mask
+
+
+def _check_inputs(source: str, x: np.ndarray, y: np.ndarray | None,
+                  mask: np.ndarray | None, tm) -> None:
+    """Inputs and targets that fit the checkpoint's model, and finite inputs at every real
+    point (a NaN input makes the whole sample's prediction NaN, which would be written
+    without a word)."""
+    from flarepp.data import DataError
+    config = tm.model.config
+    if x.shape[-1] != config.in_dim:
+        raise CLIError(f"{source}: inputs have {x.shape[-1]} channels, the checkpoint's "
+                       f"model takes {config.in_dim}")
+    if y is not None and y.shape[-1] != config.out_dim:
+        raise CLIError(f"{source}: targets have {y.shape[-1]} channels, the checkpoint's "
+                       f"model predicts {config.out_dim}, so no error can be computed "
+                       "against them")
+    finite = np.isfinite(x).all(axis=-1)
+    if mask is not None:
+        finite |= ~mask
+    if not finite.all():
+        sample, point = (int(i[0]) for i in np.nonzero(~finite))
+        raise DataError(f"{source}: the inputs x hold non-finite values (NaN or inf) at "
+                        f"{int((~finite).sum())} point(s) of {int((~finite).any(axis=1).sum())} "
+                        f"sample(s), first at sample {sample}, point {point}; their "
+                        "predictions would be NaN")
 
 
 def _write(path: Path, pred: np.ndarray, y: np.ndarray | None, mask: np.ndarray | None,
            how: str) -> None:
     import torch
 
-    from flarepp.train import relative_l2
+    from flarepp.tasks.fields import relative_l2
     from flarepp.io import atomic_write_npz
     arrays = {"pred": pred}
+    real = np.ones(pred.shape[:2], bool) if mask is None else mask
+    bad = ~np.isfinite(pred).all(axis=-1) & real
+    if bad.any():
+        print(f"warning: {int(bad.any(axis=1).sum())} of {len(pred)} sample(s) have "
+              "non-finite predictions (the model overflowed; try --device cpu or a checkpoint "
+              "trained in fp32)", file=sys.stderr)
     if y is not None:
         m = None if mask is None else torch.from_numpy(mask)
         arrays["rel_l2"] = relative_l2(torch.from_numpy(pred), torch.from_numpy(y), m).numpy()
@@ -56,19 +94,15 @@ def _infer(args: argparse.Namespace) -> int:
     from flarepp.device import amp_dtype, resolve_device
     from flarepp.distributed import context_parallel
     from flarepp.distributed.mesh import launch
-    from flarepp.distributed.inference import predict_mesh
+    from flarepp.inference.mesh import predict_mesh
     from flarepp.train import load_trained_model
-    if args.chunk_size is not None and args.chunk_size <= 0:
-        raise CLIError(f"--chunk-size must be positive, got {args.chunk_size}")
     check_output(args.out, directory=False)
     tm = load_trained_model(args.checkpoint)
     cases = _task_cases(args, tm)
     if cases is not None:
         return _infer_cases(args, tm, cases)
     x, y, mask = _inputs(args, tm)
-    if x.shape[-1] != tm.model.config.in_dim:
-        raise CLIError(f"{args.data}: inputs have {x.shape[-1]} channels, the checkpoint's "
-                       f"model takes {tm.model.config.in_dim}")
+    _check_inputs(str(args.data), x, y, mask, tm)
     device = resolve_device(args.device)
     model = tm.model.to(device)
     if args.compile:
@@ -107,7 +141,7 @@ def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
     from flarepp.device import amp_dtype, resolve_device
     from flarepp.distributed import context_parallel
     from flarepp.distributed.mesh import launch
-    from flarepp.tasks.surface import predict_cases, write_case_predictions
+    from flarepp.inference.surface import predict_cases, write_case_predictions
     device = resolve_device(args.device)
     model = tm.model.to(device)
     if args.compile:
@@ -153,11 +187,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", choices=["test", "train"], default="test")
     p.add_argument("--dataset", help="read --data with this registered loader instead of the "
                    "checkpoint's (e.g. npz)")
-    p.add_argument("--chunk-size", type=int, metavar="K",
+    p.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="exact streaming: run K points at a time (memory set by K, not N)")
     p.add_argument("--context-parallel", action="store_true",
                    help="split every mesh's points over the ranks of a torchrun launch")
-    p.add_argument("--batch-size", type=int, default=1, help="samples per forward")
+    p.add_argument("--batch-size", type=at_least(1), default=1, help="samples per forward")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (the first forward compiles)")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, check_output
@@ -31,21 +29,22 @@ def _limits(items: list[str]) -> dict[str, int]:
 def _train(args: argparse.Namespace) -> int:
     from flarepp.device import resolve_device
     from flarepp.distributed.mesh import launch
-    from flarepp.experiments.lra_compare import GridRun, run_config
+    from flarepp.experiments.studies import lra_point_config
     from flarepp.tasks import build_task
     from flarepp.tasks.sequence import load_sequence_data
     from flarepp.train import Trainer
-    run = GridRun(args.task, args.mixer, args.seed)
     options = dict(steps=args.steps, split_limits=_limits(args.limit), data_root=args.data)
     overrides = list(args.set or []) + ([f"device={args.device}"] if args.device else [])
-    nominal = run_config(run, args.size, overrides=overrides, **options)
+    nominal = lra_point_config(args.task, args.mixer, args.seed, args.size,
+                               overrides=overrides, **options)
     if not Path(nominal.data_root).exists():
         raise CLIError(f"data folder {nominal.data_root!r} does not exist (give --data, or "
                        "make tiny data with `flarepp lra data make ... --size tiny`)")
     out = check_output(args.out or f"runs/{nominal.name}-seed{args.seed}", directory=True)
     data = load_sequence_data(nominal, nominal.data_root)
-    config = run_config(run, args.size, overrides=overrides,
-                        train_samples=len(data.splits["train"]), **options)
+    config = lra_point_config(args.task, args.mixer, args.seed, args.size,
+                              overrides=overrides, train_samples=len(data.splits["train"]),
+                              **options)
     device = resolve_device(config.device)
     with launch(device, data_parallel=args.data_parallel) as plan:
         trainer = Trainer(config, out, resume=args.resume, progress=not args.quiet,
@@ -80,42 +79,34 @@ def _data_roots(items: list[str]) -> dict[str, str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.experiments.lra_compare import run_lra_comparison
-    from flarepp.train.loop import TrainingInterrupted
+    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.experiments.studies import lra_study
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     if args.steps is not None and args.steps < 1:
         raise CLIError(f"--steps must be positive, got {args.steps}")
     check_output(args.out, directory=True)
-    try:
-        results = run_lra_comparison(tasks, mixers, args.out, seeds=args.seeds,
-                                     size=args.size, data_roots=_data_roots(args.data),
-                                     steps=args.steps, split_limits=_limits(args.limit),
-                                     overrides=args.set or [], device=args.device,
-                                     log=(lambda _: None) if args.quiet else print)
-    except TrainingInterrupted as err:
-        print(f"flarepp lra compare: stopped by {signal.Signals(err.signum).name}; run the "
-              "same command again to continue (finished runs are reused, the interrupted "
-              f"one resumes from {str(err.checkpoint)!r})", file=sys.stderr)
-        return err.exit_code
+    study = lra_study(tasks, mixers, seeds=args.seeds, size=args.size,
+                      data_roots=_data_roots(args.data), steps=args.steps,
+                      split_limits=_limits(args.limit), overrides=args.set or [],
+                      continue_with=continue_command(args.out))
+    code = execute(study, args.out, quiet=args.quiet,
+                   runtime=[f"device={args.device}"] if args.device else None)
     table = Path(args.out) / "table.md"
-    if results:
+    if table.exists():
         print(table.read_text())
-        print(f"written: {table} and results.csv, table.csv, comparison.png beside it")
-    else:
-        print("no run finished yet (all were held by other processes)")
-    return 0
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from flarepp.cli.lra_data import add_data_commands
-    from flarepp.data.lra import LRA_TASKS
+    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     parser = subparsers.add_parser("lra", help="Long Range Arena (paper Sec. 4.3)")
     actions = parser.add_subparsers(dest="lra_command", metavar="ACTION", required=True)
-    tasks = ", ".join(LRA_TASKS.names())
+    tasks = ", ".join(LRA_BENCHMARKS.names())
 
     t = actions.add_parser("train", help="train one LRA task with one mixer")
-    t.add_argument("task", choices=LRA_TASKS.names(), metavar="TASK", help=tasks)
+    t.add_argument("task", choices=LRA_BENCHMARKS.names(), metavar="TASK", help=tasks)
     t.add_argument("--mixer", default="flarepp", help="registered mixer (default flarepp)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", help="run directory (default runs/lra-TASK[-tiny][-MIXER]-seedK)")

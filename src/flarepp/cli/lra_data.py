@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 
-from flarepp.cli import CLIError, parse_scalar
+from flarepp.cli import CLIError, at_least, parse_scalar
 
 _TASK_OF = {"listops": "listops", "pathfinder": "pathfinder32"}
 _FLAGS = {"listops": ("n_train", "n_val", "n_test", "min_length", "max_length", "max_depth",
@@ -22,8 +22,9 @@ _FLAGS = {"listops": ("n_train", "n_val", "n_test", "min_length", "max_length", 
 
 
 def _make(args: argparse.Namespace) -> int:
-    from flarepp.data.lra import LRA_GENERATORS, LRA_TASKS
-    options = dict(LRA_TASKS.get(_TASK_OF[args.generator]).tiny_make) \
+    from flarepp.data.lra import LRA_GENERATORS
+    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
+    options = dict(LRA_BENCHMARKS.get(_TASK_OF[args.generator]).tiny_make) \
         if args.size == "tiny" else {}
     options.update({k: getattr(args, k) for k in _FLAGS[args.generator]
                     if getattr(args, k) is not None})
@@ -80,13 +81,16 @@ def add_data_commands(lra_actions: argparse._SubParsersAction) -> None:
         sub.set_defaults(func=_make)
     listops = generators.choices["listops"]
     for flag, what in (("n-train", "training"), ("n-val", "validation"), ("n-test", "test")):
-        listops.add_argument(f"--{flag}", type=int, help=f"{what} expressions")
-    listops.add_argument("--min-length", type=int, help="keep lengths > this (LRA: 500)")
-    listops.add_argument("--max-length", type=int, help="keep lengths < this (LRA: 2000)")
-    listops.add_argument("--max-depth", type=int, help="tree depth limit (LRA: 10)")
-    listops.add_argument("--max-args", type=int, help="arguments per operator (LRA: 10)")
+        listops.add_argument(f"--{flag}", type=at_least(1), help=f"{what} expressions")
+    listops.add_argument("--min-length", type=at_least(0),
+                         help="keep lengths > this (LRA: 500)")
+    listops.add_argument("--max-length", type=at_least(2),
+                         help="keep lengths < this (LRA: 2000)")
+    listops.add_argument("--max-depth", type=at_least(1), help="tree depth limit (LRA: 10)")
+    listops.add_argument("--max-args", type=at_least(2),
+                         help="arguments per operator (LRA: 10)")
     pathfinder = generators.choices["pathfinder"]
-    pathfinder.add_argument("--count", type=int, help="images (default 10000)")
+    pathfinder.add_argument("--count", type=at_least(1), help="images (default 10000)")
     pathfinder.add_argument("--difficulty", choices=list(DIFFICULTIES),
                             help="contour length 6, 9 or 14 (default: 14, LRA's hard set)")
 

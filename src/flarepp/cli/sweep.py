@@ -1,60 +1,94 @@
-"""``flarepp sweep``: a grid of runs over config keys, and ``flarepp sweep report DIR``."""
+"""``flarepp sweep``: a grid of runs over config keys, and ``flarepp sweep report DIR``.
+
+Every experiment command (``sweep``, ``compare``, ``lra compare``, ``drivaerml pareto``)
+builds a study and hands it to :func:`execute`; ``flarepp sweep --out DIR`` continues any
+of them, ``flarepp sweep report DIR`` reports on any of them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
 
 from flarepp.cli import CLIError
 
 
+def continue_command(out: str | Path) -> str:
+    return f"flarepp sweep --out {shlex.quote(str(out))}"
+
+
+def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
+            report: bool = True) -> int:
+    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
+    its open points, print what this process did and write the report. Exit status 1 when
+    a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
+    from flarepp.experiments.engine import (StudyInterrupted, create_study, open_study,
+                                            run_study)
+    from flarepp.experiments.reports import write_report
+    study = open_study(out) if study is None else create_study(out, study)
+    try:
+        done = run_study(study, out, runtime=runtime,
+                         log=(lambda _: None) if quiet else print)
+    except StudyInterrupted as err:
+        print(f"flarepp: {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed "
+          f"(final), {len(done['error'])} left for a rerun by an error, "
+          f"{len(done['skipped'])} held by other processes, {len(done['reused'])} already "
+          "done")
+    if done["error"]:
+        print(f"points left by an error (see {Path(out) / 'events.jsonl'}): "
+              f"{', '.join(done['error'])}; fix the cause and run `{study.continue_with}`",
+              file=sys.stderr)
+    if report:
+        paths = write_report(out)
+        print("\n".join(str(p) for p in paths.values()))
+    return 1 if done["error"] else 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
-    from flarepp.experiments.sweep import (SweepSpec, open_sweep, parse_axes, run_sweep,
-                                           write_report)
+    from flarepp.experiments.reports import write_report
+    from flarepp.experiments.studies import parse_axes, sweep_study
     if args.preset == "report":
         if not args.directory:
             raise CLIError("usage: flarepp sweep report DIR")
-        paths = write_report(args.directory)
-        print("\n".join(str(p) for p in paths.values()))
+        print("\n".join(str(p) for p in write_report(args.directory).values()))
         return 0
     if args.directory:
         raise CLIError(f"unexpected argument {args.directory!r} (a sweep takes PRESET "
                        "--grid ... --out DIR; a report: flarepp sweep report DIR)")
     if args.out is None:
         raise CLIError("give --out DIR (the sweep's directory)")
-    if args.preset is None:
-        if args.grid or args.set or args.data:
-            raise CLIError("--grid, --set and --data describe a new sweep: give its PRESET")
-        spec = open_sweep(args.out, None)
-    else:
-        from flarepp.train import get_preset
-        if not args.grid:
-            raise CLIError("give --grid KEY=V1,V2 ... (e.g. --grid seed=0,1,2)")
-        base = get_preset(args.preset, args.set or [])
-        data = args.data or base.data_root
-        spec = open_sweep(args.out, SweepSpec(base, parse_axes(args.grid), str(data)))
-    done = run_sweep(spec, args.out, log=(lambda _: None) if args.quiet else print)
-    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed, "
-          f"{len(done['skipped'])} held by other processes")
-    if args.report:
-        paths = write_report(args.out)
-        print("\n".join(str(p) for p in paths.values()))
-    return 0
+    axes = parse_axes(args.grid or [])
+    if args.preset is None and not any(k == "preset" for k, _ in axes):
+        if args.grid or args.data:
+            raise CLIError("--grid and --data describe a new sweep: give its PRESET")
+        # continuing: --set may only change how this process runs (device=cpu)
+        return execute(None, args.out, quiet=args.quiet, runtime=args.set or [],
+                       report=args.report)
+    study = sweep_study(args.preset or dict(axes)["preset"][0], axes, sets=args.set or [],
+                        data=args.data, continue_with=continue_command(args.out))
+    return execute(study, args.out, quiet=args.quiet, report=args.report)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", help="train a grid of runs over config keys (resumable, "
-                                     "shareable by several processes); `sweep report DIR` "
-                                     "writes its tables and figures")
+                                     "shareable by several processes); `sweep --out DIR` "
+                                     "continues any study, `sweep report DIR` reports on it")
     p.add_argument("preset", nargs="?", metavar="PRESET|report",
-                   help="the base preset (omit to continue the sweep in --out), or `report`")
-    p.add_argument("directory", nargs="?", metavar="DIR", help="the sweep to report on")
+                   help="the base preset (omit to continue the study in --out), or `report`")
+    p.add_argument("directory", nargs="?", metavar="DIR", help="the study to report on")
     p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
                    help="axes of the grid, e.g. model.mixer=flare,flarepp model.blocks=2,4 "
-                        "seed=0,1,2 precision=fp32,fp16 (any --set key)")
+                        "seed=0,1,2 precision=fp32,fp16 data_root=A,B (any --set key) or "
+                        "preset=P1,P2")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override the preset for every point (repeatable)")
+                   help="override the preset for every point (repeatable); when continuing "
+                        "a study, runtime fields only (device=cpu)")
     p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
-    p.add_argument("--out", help="the sweep's directory (one run directory per point)")
+    p.add_argument("--out", help="the study's directory (one run directory per point)")
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")

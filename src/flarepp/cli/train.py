@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, check_output
+from flarepp.cli import CLIError, at_least, check_output
 from flarepp.device import DEVICE_HELP
 
 
@@ -26,8 +26,9 @@ def _train(args: argparse.Namespace) -> int:
     config = _run_config(args, overrides)
     data = Path(args.data or config.data_root)
     if not data.exists():
-        raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or make "
-                       f"data with `flarepp data make {config.dataset} --out {data}`)")
+        from flarepp.data.generators import how_to_get
+        raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or "
+                       f"{how_to_get(config.dataset, str(data))})")
     out = check_output(args.out or f"runs/{config.name}", directory=True)
     device = resolve_device(config.device)
     with launch(device, data_parallel=args.data_parallel,
@@ -53,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace, overrides: list[str]):
     """The run's config, checked before any data is read: a preset, a run's own
     ``config.json`` (``--config``), or the ``npz`` preset for ``--data`` alone."""
-    from flarepp.train import RunConfig, apply_overrides, get_preset
+    from flarepp.train import RunConfig, apply_overrides, check_run_config, get_preset
     if args.config and args.preset:
         raise CLIError("give a preset or --config, not both")
     if args.config:
@@ -65,7 +66,10 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
         if not isinstance(stored, dict):
             raise CLIError(f"--config {str(path)!r}: expected a JSON object (a run's "
                            "config.json)")
-        return apply_overrides(RunConfig.from_dict(stored), overrides)
+        try:
+            return check_run_config(apply_overrides(RunConfig.from_dict(stored), overrides))
+        except ValueError as err:
+            raise CLIError(f"--config {str(path)!r}: {err}") from None
     if args.preset is None and not args.data:
         raise CLIError("give a preset (see `flarepp presets`), --config RUN/config.json, or "
                        "--data YOUR.npz")
@@ -86,13 +90,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from flarepp.plots import plot_run_dir
+    from flarepp.tasks import plot_run_dir
     run_dir = Path(args.run_dir)
     if (run_dir / "config.json").is_file() and not (run_dir / "metrics.json").is_file():
         # A run stopped before its end has no final outputs: predict them from its newest
         # readable checkpoint (the only step of `plot` that runs a model, on --device).
-        from flarepp.train.checkpoint import newest_readable_checkpoint
-        from flarepp.train.evaluate import write_checkpoint_outputs
+        from flarepp.storage.checkpoint import newest_readable_checkpoint
+        from flarepp.inference.evaluate import write_checkpoint_outputs
         found = newest_readable_checkpoint(run_dir)
         if found.path is None:
             raise CLIError(f"{str(run_dir)!r} has no finished outputs and no readable "
@@ -131,10 +135,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "auto)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (off by default; the first steps compile)")
-    p.add_argument("--workers", type=int, metavar="W",
+    p.add_argument("--workers", type=at_least(0), metavar="W",
                    help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--stop-after", type=int, metavar="EPOCHS",
+    p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
                    help="stop after this many epochs (resume later with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
     p.add_argument("--data-parallel", action="store_true",
@@ -152,17 +156,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help="write the metrics here (same keys as metrics.json)")
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
-    e.add_argument("--chunk-size", type=int, metavar="K",
+    e.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="stream each mesh through the model K points at a time (exact)")
     e.set_defaults(func=_eval)
 
     g = sub.add_parser("plot", help="prediction and curve figures of a run directory")
     g.add_argument("run_dir")
-    g.add_argument("--cases", type=int, default=3)
+    g.add_argument("--cases", type=at_least(0), default=3,
+                   help="prediction figures to draw (default 3)")
     g.add_argument("--device", default="auto",
                    help=DEVICE_HELP + "; used only for a run stopped before its end, whose "
                    "test outputs are predicted from its newest checkpoint first")
-    g.add_argument("--chunk-size", type=int, default=None, metavar="K",
+    g.add_argument("--chunk-size", type=at_least(1), default=None, metavar="K",
                    help="with such a run: stream each sample K tokens at a time")
     g.set_defaults(func=_plot)
 

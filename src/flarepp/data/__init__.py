@@ -11,6 +11,10 @@ from typing import Any
 from flarepp.data.base import DataError, DatasetSplits, DataWarning, MeshSamples, Normalizer
 from flarepp.data.registry import DATASETS
 from flarepp.data import loaders as _loaders  # noqa: F401  (registers the loaders)
+from flarepp.data import lra as _lra  # noqa: F401  (registers the Long Range Arena readers)
+from flarepp.data import rollout as _rollout  # noqa: F401  (registers "advection-diffusion")
+from flarepp.data import surface as _surface  # noqa: F401  (registers "drivaerml")
+from flarepp.data import text as _text  # noqa: F401  (registers "text-files")
 
 
 def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:

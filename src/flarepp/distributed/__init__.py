@@ -1,4 +1,4 @@
-"""Exact token-sharded context parallelism and streaming inference (paper Appendix B).
+"""Exact token-sharded context parallelism and block-wise streaming (paper Appendix B).
 
 Applied from outside a single-device model, through the mixers' attention backend:
 
@@ -7,13 +7,11 @@ Applied from outside a single-device model, through the mixers' attention backen
   :func:`all_reduce_gradients` gives every rank the unsharded gradient.
 * :func:`stream_forward` -- run a mesh of any size through one device in chunks, merging
   the chunks' encoder partials by the same log-sum-exp rule.
-* :func:`predict_mesh` -- de-normalised predictions with either or both of the above.
 * :func:`run_on_ranks` -- R local processes in a gloo group (tests, CPU benchmarks).
 """
 
 from flarepp.distributed.encoder import (distributed_encode_with_lse, global_sum,
                                          merge_across_ranks)
-from flarepp.distributed.inference import predict_mesh
 from flarepp.distributed.launch import RankFailure, run_on_ranks
 from flarepp.distributed.parallel import (ContextParallel, ContextParallelBackend,
                                           all_reduce_gradients, broadcast_parameters,
@@ -28,6 +26,6 @@ __all__ = [
     "SHARDABLE_MODELS", "StreamingBackend", "all_reduce_gradients", "broadcast_parameters",
     "check_replicas", "check_token_shardable", "context_parallel",
     "distributed_encode_with_lse", "gather_tokens", "global_sum",
-    "merge_across_ranks", "predict_mesh", "run_on_ranks", "shard_sizes", "shard_slice",
+    "merge_across_ranks", "run_on_ranks", "shard_sizes", "shard_slice",
     "stream_forward",
 ]

@@ -126,6 +126,13 @@ class StreamingBackend(AttentionBackend):
                                "different chunks; its queries depend on the chunk's tokens "
                                "outside the latent encodes, so the model cannot be streamed")
 
+    def held_encode(self, q):
+        """The latents of the next encode when an earlier pass finished them, else ``None``;
+        the mixer then skips that encode's keys and values."""
+        if self.calls < len(self.latents):
+            return self.encode(q, None, None)
+        return None
+
     def encode(self, q, k, v, mask=None, *, scale=None):
         index = self.calls
         self.calls += 1

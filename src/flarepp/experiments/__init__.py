@@ -1,10 +1,14 @@
-"""Experiments built on the core library: the Table 1 comparison (``flarepp compare``)."""
+"""Experiments on the core library: one engine (:mod:`.engine`: a study -> claimed points ->
+train a point -> events), the studies the commands start (:mod:`.studies`), and report
+plug-ins (:mod:`.reports`); the Table 1 models (:mod:`.comparison`)."""
 
 from flarepp.experiments.comparison import (COMPARISON_MODELS, PAPER_SETTINGS, TABLE1_ORDER,
                                             build_comparison_model, comparison_model_kwargs,
                                             count_parameters, parameter_table)
-from flarepp.experiments.compare import run_comparison, summarize, write_outputs
+from flarepp.experiments.engine import (Point, Study, StudyConflict, StudyInterrupted,
+                                        create_study, open_study, run_study)
 
-__all__ = ["COMPARISON_MODELS", "PAPER_SETTINGS", "TABLE1_ORDER", "build_comparison_model",
-           "comparison_model_kwargs", "count_parameters", "parameter_table", "run_comparison",
-           "summarize", "write_outputs"]
+__all__ = ["COMPARISON_MODELS", "PAPER_SETTINGS", "TABLE1_ORDER", "Point", "Study",
+           "StudyConflict", "StudyInterrupted", "build_comparison_model",
+           "comparison_model_kwargs", "count_parameters", "create_study", "open_study",
+           "parameter_table", "run_study"]

@@ -35,28 +35,57 @@ from flarepp.ops import HeadNorm
 class LowRankRouting(Mixer, abc.ABC):
     """What the FLARE family shares: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``, ``Y W_O``.
 
-    A subclass owns ``key_value_proj`` (its stacked input projections, one GEMM) and
-    ``out_proj`` (``W_O``), and says in :meth:`route` how the stacked projections become
-    the routing queries ``Q [B, H, M, D]``, routing keys ``K`` and values ``V [B, H, N, D]``;
-    the encode (``Z = softmax_N(s Q K^T) V``) and decode (``Y = softmax_M(s K Q^T) Z``), the
-    masking and the output projection are the same for every member.
+    A subclass owns ``key_value_proj`` (its ``k`` stacked ``C x C`` input projections, the
+    values' ``W_V`` last) and ``out_proj`` (``W_O``), and says in :meth:`route` how the
+    tokens become the routing queries ``Q [B, H, M, D]`` and routing keys ``K [B, H, N, D]``;
+    the values ``V = X W_V``, the encode (``Z = softmax_N(s Q K^T) V``) and decode
+    (``Y = softmax_M(s K Q^T) Z``), the masking and the output projection are the same for
+    every member.
+
+    Each projection is its own GEMM on rows of ``key_value_proj`` (:meth:`project`): its
+    output is a contiguous ``[B, N, H, D]`` that the per-head norms and the kernels read
+    without a copy, the backward adds the input gradients instead of concatenating a
+    ``[B, N, k C]`` gradient, and a projection whose encode the backend already holds
+    (:meth:`~flarepp.ops.AttentionBackend.held_encode`: the later passes of block-wise
+    streaming) is not computed at all.
     """
 
     key_value_proj: nn.Linear
     out_proj: nn.Linear
 
     @abc.abstractmethod
-    def route(self, projected_BNkC: torch.Tensor, mask: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(Q [B, H, M, D], K [B, H, N, D], V [B, H, N, D])`` from ``key_value_proj(x)``."""
+    def route(self, x: torch.Tensor, mask: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q [B, H, M, D], K [B, H, N, D])`` from the (masked) tokens ``x [B, N, C]``."""
+
+    def project(self, x_BNC: torch.Tensor, index: int) -> torch.Tensor:
+        """``x W_i^T + b_i`` for the ``index``-th stacked projection, ``[B, N, H, D]``."""
+        C, weight, bias = self.config.dim, self.key_value_proj.weight, self.key_value_proj.bias
+        rows = slice(index * C, (index + 1) * C)
+        out = nn.functional.linear(x_BNC, weight[rows], None if bias is None else bias[rows])
+        return out.view(*x_BNC.shape[:-1], self.heads, self.head_dim)
+
+    def values(self, x_BNC: torch.Tensor) -> torch.Tensor:
+        """``V = X W_V`` ``[B, H, N, D]`` (the last stacked projection)."""
+        last = self.key_value_proj.out_features // self.config.dim - 1
+        return self.heads_first(self.project(x_BNC, last))
+
+    def gather(self, queries: torch.Tensor, keys: torch.Tensor, x_BNC: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """``Z = softmax_N(s Q K^T) V`` ``[B, H, M, D]``; ``V`` is projected only when the
+        backend does not already hold ``Z``."""
+        latents = self.backend.held_encode(queries)
+        if latents is None:
+            latents = self.backend.encode(queries, keys, self.values(x_BNC), mask,
+                                          scale=self.config.attn_scale)
+        return latents
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        queries, keys, values = self.route(self.key_value_proj(x), mask)
-        latents = self.backend.encode(queries, keys, values, mask,
-                                      scale=self.config.attn_scale)             # Z [B,H,M,D]
+        queries, keys = self.route(x, mask)
+        latents = self.gather(queries, keys, x, mask)                           # Z [B,H,M,D]
         y = self.decode_tokens(keys, queries, latents, mask)                    # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 
@@ -82,9 +111,9 @@ class FLARE(LowRankRouting):
         self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
         self.out_proj = near_identity_linear(c.dim)                          # W_O
 
-    def route(self, projected_BNkC, mask):
-        keys, values = self.split_projections(projected_BNkC, 2)
-        return self.latents_for(self.fixed_queries, keys.shape[0]), keys, values
+    def route(self, x, mask):
+        keys = self.heads_first(self.project(x, 0))
+        return self.latents_for(self.fixed_queries, x.shape[0]), keys
 
 
 @dataclass(kw_only=True)
@@ -112,7 +141,7 @@ class FLAREPP(LowRankRouting):
         self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))  # Q~ [H, M, D]
         self.fixed_queries = init_latents((c.heads, c.latents, c.head_dim))    # Q_f [H, M, D]
         self.gate_logit = nn.Parameter(torch.full((c.heads,), float(c.gate_logit_init)))
-        # One GEMM for the synthesis keys, routing keys and values: [W~_K | W_K | W_V].
+        # The synthesis keys', routing keys' and values' projections: [W~_K | W_K | W_V].
         self.key_value_proj = near_identity_linear(c.dim, 3)
         self.out_proj = near_identity_linear(c.dim)
         self.seed_norm = HeadNorm(c.norm, c.head_dim, affine=True)            # N_a
@@ -123,25 +152,35 @@ class FLAREPP(LowRankRouting):
     def routing_queries(self, synthesis_keys: torch.Tensor, mask: torch.Tensor | None,
                         batch: int) -> torch.Tensor:
         """``Q = N_0(Q_f) + sigmoid(gamma) Q_d`` in FP32, returned in the compute dtype."""
+        seeds = self.normed_seeds(batch)
+        return self.gated_queries(self.backend.encode(seeds, synthesis_keys, synthesis_keys,
+                                                      mask, scale=self.config.attn_scale))
+
+    def normed_seeds(self, batch: int) -> torch.Tensor:
+        """``N_a(Q~)`` ``[B, H, M, D]``."""
         # N_a acts per latent, so normalising the [H, M, D] seeds once and then expanding
         # over the batch is the same map as normalising the expanded copies.
-        seeds = self.latents_for(self.seed_norm(self.synthesis_seeds), batch)
-        synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
-                                          scale=self.config.attn_scale)           # Q_d
+        return self.latents_for(self.seed_norm(self.synthesis_seeds), batch)
+
+    def gated_queries(self, synthesized: torch.Tensor) -> torch.Tensor:
+        """``N_0(Q_f) + sigmoid(gamma) Q_d`` summed in FP32 (or wider), in ``Q_d``'s dtype."""
         fixed = self.fixed_query_norm(self.fixed_queries)                          # [H, M, D]
         acc = torch.promote_types(self.gate_logit.dtype, torch.float32)  # FP32 or wider
         gate = torch.sigmoid(self.gate_logit.to(acc)).view(1, -1, 1, 1)
         queries = fixed.to(acc).unsqueeze(0) + gate * synthesized.to(acc)
         return queries.to(synthesized.dtype)
 
-    def route(self, projected_BNkC, mask):
-        synthesis_keys, keys, values = self.split_projections_BNHD(projected_BNkC, 3)
-        # The per-head norms act on D alone, so they run in the GEMM's [B, N, H, D] layout
-        # (rows of D contiguous numbers) before the heads-first views the kernels take.
-        synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis_keys))
-        keys = self.heads_first(self.routing_key_norm(keys))
-        queries = self.routing_queries(synthesis_keys, mask, keys.shape[0])
-        return queries, keys, self.heads_first(values)
+    def route(self, x, mask):
+        seeds = self.normed_seeds(x.shape[0])
+        synthesized = self.backend.held_encode(seeds)                               # Q_d
+        if synthesized is None:
+            # The per-head norms act on D alone, so they run on the GEMM's contiguous
+            # [B, N, H, D] before the heads-first views the kernels take.
+            synthesis_keys = self.heads_first(self.synthesis_key_norm(self.project(x, 0)))
+            synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
+                                              scale=self.config.attn_scale)
+        keys = self.heads_first(self.routing_key_norm(self.project(x, 1)))
+        return self.gated_queries(synthesized), keys
 
 
 @dataclass(kw_only=True)
@@ -165,7 +204,7 @@ class SynthesizedQueryFLARE(LowRankRouting):
         super().__init__(config)
         c = config
         self.synthesis_seeds = init_latents((c.heads, c.latents, c.head_dim))
-        # [W~_K | W~_V | W_K | W_V] in one GEMM.
+        # [W~_K | W~_V | W_K | W_V], stacked.
         self.key_value_proj = near_identity_linear(c.dim, 4)
         self.out_proj = near_identity_linear(c.dim)
         if c.normalize_synthesis:
@@ -175,13 +214,15 @@ class SynthesizedQueryFLARE(LowRankRouting):
             self.seed_norm = nn.Identity()
             self.synthesis_key_norm = nn.Identity()
 
-    def route(self, projected_BNkC, mask):
-        synthesis_keys, synthesis_values, keys, values = self.split_projections(
-            projected_BNkC, 4)
-        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, keys.shape[0]))
-        queries = self.backend.encode(seeds, self.synthesis_key_norm(synthesis_keys),
-                                      synthesis_values, mask, scale=self.config.attn_scale)
-        return queries, keys, values
+    def route(self, x, mask):
+        seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, x.shape[0]))
+        queries = self.backend.held_encode(seeds)
+        if queries is None:
+            synthesis_keys = self.heads_first(self.synthesis_key_norm(self.project(x, 0)))
+            queries = self.backend.encode(seeds, synthesis_keys,
+                                          self.heads_first(self.project(x, 1)), mask,
+                                          scale=self.config.attn_scale)
+        return queries, self.heads_first(self.project(x, 2))
 
 
 MIXERS.add("flarepp-simple", SynthesizedQueryFLARE, defaults={"normalize_synthesis": True},

@@ -19,9 +19,8 @@ from flarepp.models.luna import LunaSurrogate
 from flarepp.models.perceiver_io import PerceiverIO
 from flarepp.models.set_transformer import SetTransformer
 from flarepp.models.sequence import SequenceClassifier
-from flarepp.registry import Registry
+from flarepp.models.registry import MODELS
 
-MODELS: Registry = Registry("model")
 MODELS.add("surrogate", SurrogateModel,
            doc="shared residual backbone of Table 7 around a registered mixer")
 # The comparison architectures of Table 9 (paper Sec. C.3).

@@ -33,7 +33,7 @@ from torch import nn
 
 from flarepp.mixers import MIXERS, build_mixer
 from flarepp.mixers.base import check_tokens
-from flarepp.models import MODELS
+from flarepp.models.registry import MODELS
 from flarepp.models.backbone import Block, SequenceStackConfig, init_backbone_weights
 from flarepp.ops import make_norm
 from flarepp.validate import require_positive

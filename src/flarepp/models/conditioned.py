@@ -37,7 +37,7 @@ from torch import nn
 
 from flarepp.mixers import MIXERS, build_mixer
 from flarepp.mixers.base import check_tokens
-from flarepp.models import MODELS
+from flarepp.models.registry import MODELS
 from flarepp.models.backbone import BackboneConfig, Block, ResidualMLP, init_backbone_weights
 from flarepp.ops import make_norm
 from flarepp.registry import Registry

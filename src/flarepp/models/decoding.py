@@ -17,31 +17,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from flarepp.mixers.causal import KVCache
-from flarepp.models import model_from_config
 from flarepp.models.causal_lm import CausalLM
-
-
-def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool = True) -> CausalLM:
-    """The token decoder of a checkpoint (EMA weights by default), on ``device``, eval mode."""
-    from flarepp.train.checkpoint import CheckpointError, read_checkpoint
-    state = read_checkpoint(path)
-    model = model_from_config(state["model_config"])
-    if not isinstance(model, CausalLM) or not model.takes_tokens:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds a "
-                              f"{state['model_config'].get('arch')!r} model; generation needs "
-                              "a causal-lm over tokens (e.g. a run of the lm-tiny preset)")
-    try:
-        model.load_state_dict(state["ema"] if ema else state["model"])
-    except RuntimeError as err:
-        raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its model "
-                              f"config ({err})") from None
-    return model.to(device).eval()
 
 
 def state_bytes(states: list[Any]) -> tuple[int, int]:
@@ -147,5 +128,5 @@ def points_as_dicts(points: list[DecodePoint]) -> list[dict[str, Any]]:
     return [asdict(p) for p in points]
 
 
-__all__ = ["DecodePoint", "format_points", "load_causal_lm", "measure_decoding",
+__all__ = ["DecodePoint", "format_points", "measure_decoding",
            "points_as_dicts", "state_bytes", "synthetic_kv_states"]

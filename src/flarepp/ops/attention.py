@@ -103,10 +103,13 @@ def _heads_padded(t_BHXD: torch.Tensor, width: int, multiple: int,
     column ``D``; laid out ``[B, X, H, width]`` in memory, as the kernels' own outputs.
 
     Without padding or column, ``t`` itself when its layout already suits a kernel that
-    needs strides and storage offset in multiples of ``multiple``.
+    needs strides and storage offset in multiples of ``multiple``: contiguous, or laid out
+    ``[B, X, H, D]`` already (a mixer's projection viewed heads-first; no copy of the keys
+    and values per encode).
     """
     B, H, X, D = t_BHXD.shape
-    if width == D and column is None and t_BHXD.is_contiguous() \
+    if width == D and column is None \
+            and (t_BHXD.is_contiguous() or t_BHXD.transpose(1, 2).is_contiguous()) \
             and t_BHXD.storage_offset() % multiple == 0:
         return t_BHXD
     out = t_BHXD.new_zeros(B, X, H, width).transpose(1, 2)
@@ -162,6 +165,9 @@ class _FusedEncodeWithLSE(torch.autograd.Function):
                                          _heads_padded(v, width_v, m), bias, scale)
         ctx.save_for_backward(q, k, v, bias_B11N, out, lse, *saved)
         ctx.scale, ctx.kernel = scale, kernel
+        # An unused output's cotangent stays None instead of a tensor of zeros, so a caller
+        # that never uses L gets the output-only backward without the extra value column.
+        ctx.set_materialize_grads(False)
         return out[..., :Dv], lse[..., :M]
 
     @staticmethod
@@ -181,15 +187,43 @@ class _FusedEncodeWithLSE(torch.autograd.Function):
             width, width_v = _head_widths(kernel, D, Dv + 1)
             v_p = _heads_padded(v, width_v, m, column=1.0)
             out_p = _heads_padded(z, width_v, m)
+            dz, dlse, unscale = _fp16_safe_cotangents(dz, dlse)
             dz_p = _heads_padded(dz, width_v, m, column=dlse.to(dz.dtype))
         dq, dk, dv = kernel.backward(dz_p, _heads_padded(q, width, m), _heads_padded(k, width, m),
                                      v_p, bias, out_p, lse, tuple(saved), ctx.scale)
+        if dlse is not None and unscale is not None:
+            dq, dk, dv = dq * unscale, dk * unscale, dv * unscale
         return dq[..., :D], dk[..., :D], dv[..., :Dv], None, None, None
 
 
+_FP16_COTANGENT_PEAK = 2.0 ** 14
+"""Largest magnitude the float16 cotangent ``dZ' = [dZ, dL]`` is scaled down to."""
+
+
+def _fp16_safe_cotangents(dz: torch.Tensor, dlse: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dZ / g, dL / g, g)`` for float16 ``dZ``, ``g`` a power of two; else ``(dZ, dL, None)``.
+
+    ``dL`` arrives in float32 and becomes a float16 column of ``dZ'``: under a loss scale
+    (``GradScaler`` starts at 2^16) it overflows float16's 65504 although ``dQ`` and
+    ``dK`` would not. The kernel's backward is linear in ``dZ'``, so it runs on
+    ``dZ' / g`` and its gradients are multiplied by ``g`` (exact for a power of two, at
+    most 2^15 so that float16 holds it). ``g`` stays a device tensor: no host sync.
+    """
+    if dz.dtype != torch.float16:
+        return dz, dlse, None
+    peak = torch.maximum(dlse.detach().abs().amax().float(), dz.detach().abs().amax().float())
+    g = torch.exp2(torch.ceil(torch.log2(peak / _FP16_COTANGENT_PEAK)).clamp(0.0, 15.0))
+    return dz / g, dlse / g, g
+
+
 def _explicit_encode_with_lse(q, k, v, mask_BN, scale):
-    """Generic fallback: materialises the scores (used where no LSE kernel is wired up)."""
-    scores = scale * torch.matmul(q, k.transpose(-1, -2)).float()
+    """Generic fallback: materialises the scores (used where no LSE kernel is wired up).
+
+    Scores and log-sum-exp are float64 for float64 inputs (CUDA's float64 path), float32
+    otherwise."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = scale * torch.matmul(q, k.transpose(-1, -2)).to(acc)
     if mask_BN is not None:
         scores = scores.masked_fill(~mask_BN[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -262,6 +296,17 @@ class AttentionBackend:
 
     def encode(self, q, k, v, mask=None, *, scale=None):
         return encode(q, k, v, mask, scale=scale)
+
+    def held_encode(self, q):
+        """The result of the mixer's next encode if this backend already holds it, else
+        ``None`` (the default: nothing is held).
+
+        A backend that returns latents here counts the call as that encode, and the mixer
+        skips computing the encode's keys and values: block-wise streaming holds an encode
+        finished in an earlier pass over the chunks, so a later pass projects only what its
+        own encode and the decode read (:class:`flarepp.distributed.StreamingBackend`).
+        """
+        return None
 
     def decode(self, k, q, z, mask=None, *, scale=None):
         return decode(k, q, z, mask, scale=scale)

@@ -12,15 +12,36 @@ from typing import Any
 from flarepp.tasks.base import Task, gather_records, pad_stack
 from flarepp.tasks.registry import TASKS
 from flarepp.tasks import fields  # noqa: F401  (registers "fields")
-from flarepp.tasks import language  # noqa: F401  (registers "lm" and dataset "text-files")
-from flarepp.tasks import rollout  # noqa: F401  (registers "rollout", dataset "advection-diffusion")
-from flarepp.tasks import sequence  # noqa: F401  (registers "sequence" and the LRA datasets)
-from flarepp.tasks import surface  # noqa: F401  (registers "surface", dataset "drivaerml")
+from flarepp.tasks import language  # noqa: F401  (registers "lm")
+from flarepp.tasks import rollout  # noqa: F401  (registers "rollout")
+from flarepp.tasks import sequence  # noqa: F401  (registers "sequence")
+from flarepp.tasks import surface  # noqa: F401  (registers "surface")
+
+
+def check_task_config(config: Any) -> None:
+    """Raise a ``ValueError`` unless ``config.task`` is registered and takes ``config`` (its
+    own checks of the options it reads: loss, input norms, dataset...)."""
+    task_cls = TASKS.get(config.task)
+    if hasattr(task_cls, "check_config"):
+        task_cls.check_config(config)
 
 
 def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:
     """The registered task ``config.task`` on the data at ``data_root``."""
+    check_task_config(config)
     return TASKS.get(config.task)(config, data_root, **options)
 
 
-__all__ = ["TASKS", "Task", "build_task", "gather_records", "pad_stack"]
+def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
+    """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
+    import json
+    run_dir = Path(run_dir)
+    config = run_dir / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{str(config)!r} not found: is {str(run_dir)!r} a flarepp "
+                                "run directory?")
+    task = json.loads(config.read_text()).get("task", "fields")
+    return TASKS.get(task).plot_run(run_dir, cases)
+
+
+__all__ = ["TASKS", "Task", "build_task", "check_task_config", "gather_records", "pad_stack", "plot_run_dir"]

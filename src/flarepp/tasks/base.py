@@ -115,7 +115,7 @@ class Task(abc.ABC):
 
     def data_identity(self) -> dict[str, Any]:
         """Where the training data is and a fingerprint of its content
-        (:func:`flarepp.train.rundir.data_fingerprint`): ``--resume`` refuses other data
+        (:func:`flarepp.storage.rundir.data_fingerprint`): ``--resume`` refuses other data
         and ``flarepp eval`` finds the run's data with it; ``{}`` if not applicable."""
         return {}
 

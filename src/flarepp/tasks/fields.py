@@ -21,6 +21,7 @@ under ``zero_target_samples`` with its absolute L2 error.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -455,7 +456,7 @@ class FieldTask(Task):
                 "input_norm": self.input_norm}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.train.rundir import data_fingerprint
+        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint(self.splits.train, self.data_root)
 
     def check_model(self, model_config: dict[str, Any]) -> None:
@@ -496,5 +497,14 @@ class FieldTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import plot_run
-        return plot_run(out_dir, cases=cases)
+        from flarepp.plots import Panel, Series, plot_field_run
+        config_path = Path(out_dir) / "config.json"
+        stored = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        loss = stored.get("loss", "mse")
+        if loss == "reference":
+            loss = REFERENCE_LOSS.get(stored.get("dataset"), "rel_l2")
+        panels = [Panel(f"training loss ({loss})",
+                        (Series("train_loss", "training (live weights)"),)),
+                  Panel("test relative L2 [%]",
+                        (Series("test_rel_l2", "test (EMA weights)", 100.0),))]
+        return plot_field_run(out_dir, panels, cases=cases)

@@ -30,11 +30,8 @@ predicted bytes`` over the split's evaluation windows (lower is better).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flarepp.data import DATASETS, DataError
+from flarepp.data import DataError
+from flarepp.data.text import (ByteSplit, TextFiles, default_text_root,  # noqa: F401
+                               held_out_fraction, load_text_files)
 from flarepp.io import atomic_write
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
@@ -51,96 +50,6 @@ from flarepp.tasks.registry import TASKS
 
 VOCAB_SIZE = 256
 LOG2 = math.log(2.0)
-
-
-def default_text_root() -> str:
-    """The Python standard library's source directory of this interpreter."""
-    return sysconfig.get_paths()["stdlib"]
-
-
-def held_out_fraction(relative_path: str) -> float:
-    """The SHA-256 of ``relative_path`` as a number in [0, 1): which split a file is in."""
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
-
-
-@dataclass
-class ByteSplit:
-    """One split: its files (relative paths, in order) and their concatenated bytes."""
-
-    files: list[str]
-    data: np.ndarray   # uint8 [total bytes]
-
-    def __len__(self) -> int:
-        return int(self.data.shape[0])
-
-
-@dataclass
-class TextFiles:
-    """The ``text-files`` dataset: train and test :class:`ByteSplit` and how they were made."""
-
-    train: ByteSplit
-    test: ByteSplit
-    root: Path
-    context: int
-    n_train: int
-    n_test: int
-    pattern: str
-
-    def split(self, name: str) -> ByteSplit:
-        if name not in ("train", "test"):
-            raise ValueError(f"unknown split {name!r}; the lm task has 'train' and 'test'")
-        return getattr(self, name)
-
-    def validate(self) -> TextFiles:
-        """Both splits must hold at least one window of ``context + 1`` bytes."""
-        for name in ("train", "test"):
-            s = self.split(name)
-            if len(s) < self.context + 1:
-                raise DataError(f"{self.root}: the {name} split holds {len(s)} bytes in "
-                                f"{len(s.files)} file(s) matching {self.pattern!r}, fewer than "
-                                f"one window of context + 1 = {self.context + 1}; lower "
-                                "context or change test_fraction / pattern")
-        return self
-
-
-def load_text_files(root: Path, *, context: int = 256, n_train: int = 2048,
-                    n_test: int = 256, pattern: str = "*.py", test_fraction: float = 0.05,
-                    exclude: list[str] | None = None) -> TextFiles:
-    """Read the text files under ``root`` into byte splits (module docstring).
-
-    ``root`` is a directory; ``exclude`` names directories to skip at any depth (default
-    ``["site-packages", "__pycache__"]``). ``context`` is the window length T, ``n_train``
-    the windows per training epoch, ``n_test`` the evaluation windows per split.
-    """
-    root = Path(root)
-    for name, value in (("context", context), ("n_train", n_train), ("n_test", n_test)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DataError(f"text-files: {name} must be a positive integer, got {value!r}")
-    if not 0.0 < test_fraction < 1.0:
-        raise DataError(f"text-files: test_fraction must be in (0, 1), got {test_fraction}")
-    if not root.is_dir():
-        raise DataError(f"text-files: {str(root)!r} is not a directory of text files")
-    skipped = set(["site-packages", "__pycache__"] if exclude is None else exclude)
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob(pattern)
-                   if p.is_file() and not skipped & set(p.relative_to(root).parts[:-1]))
-    if not files:
-        raise DataError(f"text-files: no file matching {pattern!r} under {str(root)!r}")
-    sides: dict[str, list[str]] = {"train": [], "test": []}
-    for rel in files:
-        sides["test" if held_out_fraction(rel) < test_fraction else "train"].append(rel)
-
-    def read(names: list[str]) -> ByteSplit:
-        chunks = [np.frombuffer((root / n).read_bytes(), dtype=np.uint8) for n in names]
-        data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-        return ByteSplit(names, data)
-
-    return TextFiles(read(sides["train"]), read(sides["test"]), root, context, n_train,
-                     n_test, pattern)
-
-
-DATASETS.add("text-files", load_text_files,
-             doc="text files under a directory as byte splits held out by file (lm task)")
 
 
 def window(split: ByteSplit, context: int, seed: int) -> np.ndarray:
@@ -233,7 +142,7 @@ class LanguageModelTask(Task):
                 "bytes": {"train": len(c.train), "test": len(c.test)}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.train.rundir import data_fingerprint
+        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint({"train": self.corpus.train.data}, self.data_root)
 
     def check_model(self, model_config: dict[str, Any]) -> None:
@@ -253,30 +162,11 @@ class LanguageModelTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        return [plot_language_curves(Path(out_dir))]
-
-
-def plot_language_curves(run_dir: Path) -> Path:
-    """``curves.png``: training loss and held-out bits per byte against epoch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    log = run_dir / "log.jsonl"
-    if not log.is_file():
-        raise FileNotFoundError(f"{str(log)!r} not found: is {str(run_dir)!r} a flarepp run?")
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(6, 3.8), constrained_layout=True)
-    ax.plot([r["epoch"] for r in records], [r["train_loss"] / LOG2 for r in records],
-            label="training (bits/byte, live weights)")
-    held = [(r["epoch"], r["test_bits_per_byte"]) for r in records if "test_bits_per_byte" in r]
-    if held:
-        ax.plot(*zip(*held), marker="o", ms=3, label="held-out files (EMA weights)")
-    ax.set_xlabel("epoch"), ax.set_ylabel("bits per byte"), ax.grid(alpha=.3), ax.legend()
-    path = run_dir / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        from flarepp.plots import Panel, Series, plot_curves
+        return [plot_curves(out_dir, [Panel("bits per byte", (
+            Series("train_loss", "training (live weights)", 1.0 / LOG2),
+            Series("test_bits_per_byte", "held-out files (EMA weights)")), log=False)])]
 
 
 __all__ = ["ByteSplit", "LanguageModelTask", "TextFiles", "default_text_root",
-           "held_out_fraction", "load_text_files", "plot_language_curves", "window"]
+           "held_out_fraction", "load_text_files", "window"]

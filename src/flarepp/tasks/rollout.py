@@ -39,8 +39,6 @@ all T steps) with the model's own predictions only; the metric is the relative L
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +46,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from flarepp.data import DATASETS, DataError
-from flarepp.data.generators.advection_diffusion import (Trajectories, grid, periodic_gaussian,
-                                                          read_trajectories)
+from flarepp.data import DataError
+from flarepp.data.rollout import RolloutData, load_rollout_data  # noqa: F401
+from flarepp.data.generators.advection_diffusion import (Trajectories, grid, periodic_gaussian)
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
@@ -59,57 +57,6 @@ from flarepp.tasks.registry import TASKS
 POINT_FEATURES = 9
 TOKEN_FEATURES = 7
 SAVED_CASES = 4
-
-
-@dataclass
-class RolloutData:
-    """The ``advection-diffusion`` dataset as the rollout task reads it."""
-
-    train: Trajectories
-    test: Trajectories
-    source: str
-    history: int
-    patches: int
-    unroll: int
-    horizon: int
-
-    @property
-    def steps(self) -> int:
-        """T: the steps of a trajectory (T + 1 states)."""
-        return int(self.train.u.shape[1]) - 1
-
-    def validate(self) -> RolloutData:
-        R, T = self.train.resolution, self.steps
-        if self.test.resolution != R or self.test.u.shape[1] != T + 1:
-            raise DataError(f"{self.source}: train and test trajectories differ in grid or "
-                            f"length: {list(self.train.u.shape)} vs {list(self.test.u.shape)}")
-        if R % self.patches:
-            raise DataError(f"{self.source}: patches={self.patches} must divide the grid's "
-                            f"{R} points per side")
-        if not 1 <= self.unroll <= T or not 1 <= self.horizon <= T:
-            raise DataError(f"{self.source}: need 1 <= unroll <= {T} and 1 <= horizon <= "
-                            f"{T}, got unroll={self.unroll}, horizon={self.horizon}")
-        if self.history < 0:
-            raise DataError(f"history must be >= 0, got {self.history}")
-        return self
-
-
-def load_rollout_data(root: Path, *, n_train: int | None = None, n_test: int | None = None,
-                      history: int = 2, patches: int = 4, unroll: int = 1,
-                      horizon: int | None = None) -> RolloutData:
-    """Trajectories from ``root`` (``flarepp data make advection-diffusion``) and how the
-    rollout task forms its samples: ``history`` earlier states summarised over
-    ``patches`` x ``patches`` patches as conditioning, ``unroll`` steps per training sample,
-    ``horizon`` steps per evaluation rollout (default: the whole trajectory)."""
-    train = read_trajectories(root, "train", n_train)
-    test = read_trajectories(root, "test", n_test)
-    steps = int(train.u.shape[1]) - 1
-    return RolloutData(train, test, str(root), history, patches, unroll,
-                       steps if horizon is None else horizon)
-
-
-DATASETS.add("advection-diffusion", load_rollout_data,
-             doc="transient advection-diffusion trajectories (rollout task)")
 
 
 def _standardise(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -331,7 +278,7 @@ class RolloutTask(Task):
                 "trajectories": {"train": len(d.train), "test": len(d.test)}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.train.rundir import data_fingerprint
+        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint({"u": self.data.train.u, "params": self.data.train.params},
                                 self.data_root)
 
@@ -367,22 +314,13 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from flarepp.plots import Panel, Series, plot_curves
     written = []
-    log = run_dir / "log.jsonl"
-    if log.is_file():
-        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
-        a.semilogy([r["epoch"] for r in records], [r["train_loss"] for r in records])
-        a.set_xlabel("epoch"), a.set_ylabel("training loss"), a.grid(alpha=.3)
-        held = [(r["epoch"], r["test_rollout_rel_l2"]) for r in records
-                if "test_rollout_rel_l2" in r]
-        if held:
-            b.semilogy(*zip(*held), marker="o", ms=3)
-        b.set_xlabel("epoch"), b.set_ylabel("test rollout rel. L2 (mean over horizon)")
-        b.grid(alpha=.3)
-        written.append(run_dir / "curves.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+    if (run_dir / "log.jsonl").is_file():
+        written.append(plot_curves(run_dir, [
+            Panel("training loss", (Series("train_loss", "training (live weights)"),)),
+            Panel("test rollout rel. L2 (mean over horizon)",
+                  (Series("test_rollout_rel_l2", "test (EMA weights)"),))]))
     path = run_dir / "test_rollout.npz"
     if not path.is_file():
         return written

@@ -31,10 +31,8 @@ Evaluation splits: ``val`` is evaluated after every ``eval_every`` epochs (the c
 from __future__ import annotations
 
 import csv
-import inspect
 import io
 import json
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -43,45 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flarepp.data import DATASETS, DataError
-from flarepp.data.lra import LRA_DATASETS, LRADataset, collate, load_lra
+from flarepp.data import DATASETS, DataError  # noqa: F401
+from flarepp.data.lra import LRA_DATASETS, LRADataset, collate
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
 from flarepp.tasks.registry import TASKS
 
 MODEL_ARCH = "sequence-classifier"
-
-
-# -- the LRA readers as run-config datasets ------------------------------------------------
-
-def _limited_reader(name: str):
-    """LRA reader ``name`` with a ``split_limits`` option, its signature the reader's own
-    keywords plus that one (what :class:`~flarepp.train.config.RunConfig` checks)."""
-    entry = LRA_DATASETS.entry(name)
-
-    def load(root: str | Path | None = None, *, split_limits: dict[str, int] | None = None,
-             **options: Any) -> LRADataset:
-        data = load_lra(name, root, **options)
-        return data.limited(split_limits) if split_limits else data
-
-    own = inspect.signature(entry.obj)
-    keywords = [p for p in own.parameters.values() if p.kind is p.KEYWORD_ONLY]
-    limits = inspect.Parameter("split_limits", inspect.Parameter.KEYWORD_ONLY, default=None,
-                               annotation=dict[str, int] | None)
-    root = inspect.Parameter("root", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
-    load.__signature__ = own.replace(parameters=[root, *keywords, limits])
-    hints = typing.get_type_hints(entry.obj)
-    load.__annotations__ = {k: v for k, v in hints.items() if k != "return"} | {
-        "split_limits": dict[str, int] | None}
-    load.__name__ = load.__qualname__ = f"load_lra_{name.replace('-', '_')}"
-    load.__doc__ = f"LRA reader {name!r} ({entry.doc}), optionally limited per split."
-    return load
-
-
-for _name in LRA_DATASETS.names():
-    DATASETS.add(_name, _limited_reader(_name),
-                 doc=f"Long Range Arena: {LRA_DATASETS.entry(_name).doc} (task sequence)")
 
 
 def load_sequence_data(config: Any, data_root: str | Path | None) -> LRADataset:
@@ -222,7 +189,7 @@ class SequenceTask(Task):
                 "samples": {name: len(split) for name, split in d.splits.items()}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.train.rundir import data_fingerprint
+        from flarepp.data.fingerprint import data_fingerprint
         train = self.data.splits["train"]
         arrays = {"labels": train.labels}
         for k, document in enumerate(train.documents):
@@ -263,39 +230,19 @@ class SequenceTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        return [plot_sequence_curves(Path(out_dir))]
+        from flarepp.plots import Panel, Series, plot_curves
+        references: tuple[tuple[float, str, str], ...] = ()
+        summaries = sorted(Path(out_dir).glob("*_accuracy.json"))
+        if summaries:   # chance levels of the run's data
+            chance = json.loads(summaries[0].read_text())
+            references = ((100 * chance["chance"], "chance (1/K)", "--"),
+                          (100 * chance["majority"], "majority class", ":"))
+        return [plot_curves(out_dir, [
+            Panel("training cross-entropy (nats)", (Series("train_loss", "training"),),
+                  log=False),
+            Panel("accuracy (%)", (Series("val_accuracy", "validation", 100.0),
+                                   Series("test_accuracy", "test", 100.0)),
+                  log=False, references=references)])]
 
 
-def plot_sequence_curves(run_dir: Path) -> Path:
-    """``curves.png``: training cross-entropy and validation accuracy against epoch, with the
-    chance level of the run's ``*_accuracy.json`` when present."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    log = run_dir / "log.jsonl"
-    if not log.is_file():
-        raise FileNotFoundError(f"{str(log)!r} not found: is {str(run_dir)!r} a flarepp run?")
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6), constrained_layout=True)
-    left.plot([r["epoch"] for r in records], [r["train_loss"] for r in records])
-    left.set_xlabel("epoch"), left.set_ylabel("training cross-entropy (nats)")
-    left.grid(alpha=.3)
-    for key, label in (("val_accuracy", "validation"), ("test_accuracy", "test")):
-        points = [(r["epoch"], 100 * r[key]) for r in records if key in r]
-        if points:
-            right.plot(*zip(*points), marker="o", ms=3, label=label)
-    summaries = sorted(run_dir.glob("*_accuracy.json"))
-    if summaries:
-        chance = json.loads(summaries[0].read_text())
-        right.axhline(100 * chance["chance"], color="gray", ls="--", lw=1, label="chance (1/K)")
-        right.axhline(100 * chance["majority"], color="gray", ls=":", lw=1,
-                      label="majority class")
-    right.set_xlabel("epoch"), right.set_ylabel("accuracy (%)"), right.grid(alpha=.3)
-    right.legend()
-    path = run_dir / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-__all__ = ["SequenceTask", "load_sequence_data", "plot_sequence_curves"]
+__all__ = ["SequenceTask", "load_sequence_data"]

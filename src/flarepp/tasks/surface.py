@@ -38,117 +38,28 @@ physical units, to ``surface_case.npz``; ``flarepp plot RUN`` renders it with
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from flarepp.data import DATASETS, DataError, Normalizer, load_dataset
+from flarepp.data import DataError, Normalizer, load_dataset
 from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
                                     WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
-from flarepp.io import atomic_write, atomic_write_json, atomic_write_npz
+from flarepp.data.surface import (DATASET, TEST_SPLITS, SurfaceData,  # noqa: F401  (re-exported)
+                                  check_options, load_drivaerml, resolve_split_file)
+from flarepp.plots3d import CASE_FILE
+from flarepp.io import atomic_write_json, atomic_write_npz
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
 from flarepp.tasks.registry import TASKS
 
-DATASET = "drivaerml"
-TEST_SPLITS = ("test", "val")
 IN_CHANNELS, OUT_CHANNELS = 6, len(FIELD_NAMES)
 METRIC_SCALE = 100.0                # the metric is in %
 FIGURE_SUBSET = 10                  # Figures 13-14: the median case of the first 10 test cars
-CASE_FILE = "surface_case.npz"
 ERRORS_FILE = "surface_errors.json"
-CURVES_FILE = "curves.png"
-
-
-# ---------------------------------------------------------------------------------------------
-# the dataset
-
-def check_options(*, test_split: str, cells_per_step: int, pressure_array: str,
-                  wall_shear_array: str) -> None:
-    """Raise a ``ValueError`` naming the ``drivaerml`` option whose value is unusable."""
-    if test_split not in TEST_SPLITS:
-        raise ValueError(f"dataset_options.test_split must be one of {', '.join(TEST_SPLITS)}"
-                         f" (the split that is scored), got {test_split!r}")
-    if isinstance(cells_per_step, bool) or not isinstance(cells_per_step, int) \
-            or cells_per_step < 1:
-        raise ValueError(f"dataset_options.cells_per_step must be a positive integer (cells "
-                         f"drawn per training step), got {cells_per_step!r}")
-    for key, name in (("pressure_array", pressure_array),
-                      ("wall_shear_array", wall_shear_array)):
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"dataset_options.{key} must name a cell array of the .vtp "
-                             f"files, got {name!r}")
-
-
-def resolve_split_file(root: Path, split_file: str | None) -> Path | None:
-    """``None`` (the paper's split, shipped with the package), or ``split_file``: a relative
-    path is looked for in the data directory first, then in the working directory."""
-    if split_file is None:
-        return None
-    path = Path(split_file).expanduser()
-    if not path.is_absolute() and (root / path).is_file():
-        return root / path
-    if not path.is_file():
-        raise DataError(f"split file {split_file!r} found neither in {str(root)!r} nor in the "
-                        "working directory")
-    return path
-
-
-@dataclass
-class SurfaceData:
-    """The ``drivaerml`` dataset: the surfaces, the scored split and the cells per step."""
-
-    surfaces: DrivAerMLSurfaces
-    test_split: str
-    cells_per_step: int
-
-    def runs(self, split: str) -> list[str]:
-        """Run ids of the task's ``train`` split or its ``test`` split (``test_split``)."""
-        if split == "train":
-            return self.surfaces.runs("train")
-        if split == "test":
-            return self.surfaces.runs(self.test_split)
-        raise ValueError(f"unknown split {split!r}; the surface task has 'train' and 'test' "
-                         f"(the split file's {self.test_split!r})")
-
-    def validate(self) -> "SurfaceData":
-        """Both splits list runs, and every listed run has its boundary file."""
-        for split, name in (("train", "train"), ("test", self.test_split)):
-            if not self.runs(split):
-                raise DataError(f"{self.surfaces.split_file}: split {name!r} lists no runs")
-        self.surfaces.check_layout(("train", self.test_split))
-        return self
-
-
-def load_drivaerml(root: Path, *, split_file: str | None = None, cache_dir: str | None = None,
-                   pressure_array: str = PRESSURE_ARRAY,
-                   wall_shear_array: str = WALL_SHEAR_ARRAY, test_split: str = "test",
-                   cells_per_step: int = 100_000) -> SurfaceData:
-    """The full-surface DrivAerML files under ``root`` (module docstring).
-
-    ``split_file``: JSON of run ids (default: the paper's split, Alkin et al. 2025; a
-    relative path is read from ``root`` first); ``cache_dir``: where converted arrays go
-    (default ``root/.flarepp_cache``); ``pressure_array`` and ``wall_shear_array``: the cell
-    arrays read; ``test_split``: ``test`` or ``val``; ``cells_per_step``: cells drawn from the
-    geometry of each training step (100K in the paper).
-    """
-    check_options(test_split=test_split, cells_per_step=cells_per_step,
-                  pressure_array=pressure_array, wall_shear_array=wall_shear_array)
-    root = Path(root)
-    surfaces = DrivAerMLSurfaces(root, split_file=resolve_split_file(root, split_file),
-                                 cache_dir=cache_dir, pressure_array=pressure_array,
-                                 wall_shear_array=wall_shear_array)
-    return SurfaceData(surfaces, test_split, cells_per_step)
-
-
-DATASETS.add(DATASET, load_drivaerml,
-             doc="full-surface DrivAerML: run_<i>/boundary_<i>.vtp, 6 inputs -> 4 fields "
-                 "(surface task)")
 
 
 def subset_cells(n_cells: int, size: int, seed: int) -> np.ndarray:
@@ -324,7 +235,7 @@ class SurfaceTask(Task):
         """The training runs' ids and cell counts and the training statistics (bounding box,
         mean and std over every cell, in float64): a content fingerprint that costs no pass
         over the cells once the statistics are cached."""
-        from flarepp.train.rundir import data_fingerprint
+        from flarepp.data.fingerprint import data_fingerprint
         runs = self.data.runs("train")
         cells = np.array([self.data.surfaces.load(r).n_cells for r in runs], np.int64)
         s = self.statistics
@@ -383,6 +294,7 @@ class SurfaceTask(Task):
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
         """Figures 13-14 for the run's saved case (``cases`` does not apply: the paper shows
         one car) and the training curves."""
+        from flarepp.plots3d import plot_surface_run
         return plot_surface_run(out_dir)
 
     # -- inference on whole surfaces (``flarepp infer``) ----------------------------------
@@ -404,166 +316,10 @@ class SurfaceTask(Task):
             yield run_id, x, np.asarray(run.fields)[None]
 
 
-def predict_cases(model: nn.Module, cases: Iterable[tuple[str, np.ndarray, np.ndarray]],
-                  x_norm: Normalizer, y_norm: Normalizer, **options: Any
-                  ) -> Iterator[dict[str, Any]]:
-    """Predict whole surfaces one at a time (``cases`` as :meth:`SurfaceTask.inference_cases`
-    yields them; ``options`` those of :func:`~flarepp.distributed.inference.predict_mesh`:
-    ``chunk_size`` streams, ``cp`` shards). Per case: ``name``, ``pred [N, 4]`` in physical
-    units, ``cells``, wall ``seconds``, ``nmse`` (100 x the MSE of the channels standardised
-    by ``y_norm``), ``rel_l2`` over all channels, and ``peak_gib``, this process's peak
-    resident memory so far."""
-    import resource
-    import time
-
-    from flarepp.distributed.inference import predict_mesh
-    for name, x_1NI, y_1NO in cases:
-        start = time.perf_counter()
-        pred = predict_mesh(model, x_1NI, None, x_norm, y_norm, batch_size=1, **options)[0]
-        seconds = time.perf_counter() - start
-        truth = np.asarray(y_1NO[0], np.float64)
-        err = pred.astype(np.float64) - truth
-        yield {"name": name, "pred": pred.astype(np.float32), "cells": int(pred.shape[0]),
-               "seconds": seconds,
-               "nmse": METRIC_SCALE * float(np.mean(np.square(err / y_norm.std.astype(
-                   np.float64)))),
-               "rel_l2": float(np.linalg.norm(err) / max(np.linalg.norm(truth), 1e-300)),
-               "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
-
-
-def write_case_predictions(path: Path, results: Iterable[dict[str, Any]]) -> list[dict]:
-    """Write ``pred_<name>`` per case into the ``.npz`` at ``path`` as the cases arrive (one
-    case in memory at a time), then ``cases``, ``cells``, ``seconds``, ``nmse`` and
-    ``rel_l2``; atomically. Returns the per-case numbers."""
-    import zipfile
-    done: list[dict[str, Any]] = []
-
-    def write(tmp):
-        with zipfile.ZipFile(tmp, "w", allowZip64=True) as archive:
-            for r in results:
-                with archive.open(f"pred_{r['name']}.npy", "w", force_zip64=True) as f:
-                    np.lib.format.write_array(f, r["pred"])
-                done.append({k: v for k, v in r.items() if k != "pred"})
-            for key in ("name", "cells", "seconds", "nmse", "rel_l2"):
-                with archive.open(f"{'cases' if key == 'name' else key}.npy", "w") as f:
-                    np.lib.format.write_array(f, np.asarray([r[key] for r in done]))
-    atomic_write(path, write)
-    return done
-
-
 def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:
     """``100 x`` mean squared standardised error per case and channel, ``[S, 4]``."""
     return METRIC_SCALE * records["sse"] / records["cells"][:, None]
 
 
-# ---------------------------------------------------------------------------------------------
-# figures
-
-def model_label(config: dict[str, Any]) -> str:
-    """``"flarepp, B=2, M=64"`` from a run's ``config.json``."""
-    model = config.get("model", {})
-    parts = [str(model.get("mixer", model.get("arch", "model")))]
-    parts += [f"{k}={model[key]}" for k, key in (("B", "blocks"), ("M", "latents"))
-              if key in model]
-    return ", ".join(parts)
-
-
-def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path]:
-    """Figures 13-14 of a finished surface run (reference, prediction and |error| in % of
-    the reference RMS over the visible cells, for ``p_s`` and ``|tau_w|``), from its
-    ``surface_case.npz`` and the case's ``.vtp``, and ``curves.png``."""
-    from flarepp.plots3d import plot_surface_case
-    run_dir = Path(run_dir)
-    path = run_dir / CASE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a finished "
-                                "surface run?")
-    with np.load(path) as case:
-        pred, truth = case["pred"], case["truth"]
-        run, source, nmse = str(case["run"]), Path(str(case["source"])), float(case["nmse"])
-    if not source.is_file():
-        raise FileNotFoundError(f"{str(source)!r}, the surface of the case in {str(path)!r}, "
-                                "is gone: the figures draw its polygons")
-    config = json.loads((run_dir / "config.json").read_text())
-    label = f"{model_label(config)} ({nmse:.3g}%)"
-    paths = plot_surface_case(source, truth, {label: pred}, run_dir, case_name=run,
-                              backend=backend)
-    if (run_dir / "log.jsonl").is_file():
-        paths.append(plot_curves(run_dir))
-    return paths
-
-
-def predict_run_case(run_dir: Path, run_id: str, *, chunk_size: int | None = None,
-                     device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
-    """``(prediction, reference, .vtp)`` of test car ``run_id`` by a finished run's final EMA
-    model, in m^2/s^2 (streamed in chunks of ``chunk_size`` cells when given)."""
-    from flarepp.train import Engine, load_for_evaluation
-    from flarepp.train.batching import to_device
-    checkpoint = json.loads((Path(run_dir) / "metrics.json").read_text())["checkpoint"]
-    model, task, config, _ = load_for_evaluation(checkpoint, device=device)
-    runs = task.data.runs("test")
-    if run_id not in runs:
-        raise DataError(f"{run_id} is not a test run of {task.data.surfaces.split_file}")
-    index = runs.index(run_id)
-    engine = Engine(task, next(model.parameters()).device, config.precision,
-                    chunk_size=chunk_size)
-    batch = to_device(task.collate([task.get("test", index, index)]), engine.device)
-    raw = engine.predict(model, batch)[0].float().cpu().numpy()
-    run = task.data.surfaces.load(run_id)
-    return (task.y_norm.decode(raw).astype(np.float32), np.asarray(run.fields, np.float32),
-            run.source)
-
-
-def plot_runs_together(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
-                       chunk_size: int | None = None, device: str = "auto",
-                       backend: str = "auto") -> list[Path]:
-    """Figures 13-14 with several finished runs' predictions of one car (e.g. FLARE and
-    FLARE++): the car the last run saved (the median-error car of the first 10 by its
-    errors); a run that saved another car predicts this one again from its checkpoint."""
-    from flarepp.plots3d import plot_surface_case
-    runs = [Path(d) for d in run_dirs]
-    with np.load(runs[-1] / CASE_FILE) as case:
-        chosen, truth = str(case["run"]), case["truth"]
-        source = Path(str(case["source"]))
-    predictions: dict[str, np.ndarray] = {}
-    for directory in runs:
-        config = json.loads((directory / "config.json").read_text())
-        label = model_label(config)
-        if label in predictions:
-            label += f", seed {config.get('seed')} ({directory.name})"
-        with np.load(directory / CASE_FILE) as case:
-            saved = str(case["run"]) == chosen
-            pred = case["pred"] if saved else None
-        if pred is None:
-            pred, _, _ = predict_run_case(directory, chosen, chunk_size=chunk_size,
-                                          device=device)
-        predictions[label] = pred
-    return plot_surface_case(source, truth, predictions, out_dir, case_name=chosen,
-                             backend=backend)
-
-
-def plot_curves(run_dir: Path) -> Path:
-    """``curves.png``: training loss (subsets, live weights) and the scored split's error
-    (every cell, EMA weights) against epoch, both 100 x MSE of standardised channels."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
-               if line.strip()]
-    fig, ax = plt.subplots(figsize=(6, 3.8), constrained_layout=True)
-    ax.semilogy([r["epoch"] for r in records], [r["train_loss"] for r in records],
-                label="training loss (cell subsets, live weights)")
-    scored = [(r["epoch"], r["test_nmse"]) for r in records if "test_nmse" in r]
-    if scored:
-        ax.semilogy(*zip(*scored), marker="o", ms=3, label="test, every cell (EMA weights)")
-    ax.set_xlabel("epoch"), ax.set_ylabel("normalised MSE x 100 [%]")
-    ax.grid(alpha=.3), ax.legend()
-    path = run_dir / CURVES_FILE
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 __all__ = ["DATASET", "SurfaceData", "SurfaceTask", "case_channel_errors", "input_normalizer",
-           "load_drivaerml", "output_normalizer", "plot_runs_together", "plot_surface_run",
-           "predict_cases", "predict_run_case", "subset_cells", "write_case_predictions"]
+           "load_drivaerml", "output_normalizer", "subset_cells"]

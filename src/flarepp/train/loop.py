@@ -41,15 +41,18 @@ from flarepp.device import grad_scaler, resolve_device
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
-from flarepp.train.batching import (epoch_keys, global_batches, make_loader,
+from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
                                     steps_per_epoch, to_device_prefetched)
-from flarepp.train.checkpoint import (CheckpointError, checkpoints_newest_first,
-                                      newest_readable_checkpoint, remove_stale_temporaries,
+from flarepp.storage.checkpoint import (CheckpointError, checkpoint_epoch,
+                                      checkpoints_newest_first, newest_readable_checkpoint,
+                                      prune_checkpoints, remove_stale_temporaries,
                                       save_checkpoint)
-from flarepp.train.config import RunConfig
-from flarepp.train.engine import Engine
+from flarepp.storage.config import RunConfig
+from flarepp.inference.engine import Engine
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
-from flarepp.train.rundir import RunLock, check_same_data
+from flarepp.data.fingerprint import check_same_data
+from flarepp.storage.rundir import RunLock
+from flarepp.train.checks import check_run_config
 
 
 def checkpoint_path(out_dir: Path, epoch: int, step: int | None = None) -> Path:
@@ -102,7 +105,7 @@ class Trainer:
                  progress: bool = True, splits: DatasetSplits | None = None,
                  task: Task | None = None, parallel: ParallelPlan = SINGLE,
                  device: str | torch.device | None = None) -> None:
-        self.config = c = config
+        self.config = c = check_run_config(config)
         self.out_dir = Path(out_dir)
         self.plan = parallel
         self.is_writer = parallel.is_writer
@@ -207,7 +210,7 @@ class Trainer:
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        stored = RunConfig.from_dict(state["config"]).identity()
+        stored = RunConfig.from_stored(state["config"]).identity()
         mine = self.config.identity()
         if stored != mine:
             changed = sorted(k for k in stored.keys() | mine.keys()
@@ -366,8 +369,29 @@ class Trainer:
             state = self.state()
             if progress is not None:
                 state["epoch_progress"] = progress
-            save_checkpoint(path, state)
+            self._save_checkpoint(path, state)
         raise TrainingInterrupted(self._stop_signal or signal.SIGINT, path, self.out_dir)
+
+    def _save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """Write a checkpoint, then apply the retention policy (``keep_checkpoints``: the
+        newest K and the best by the recorded metric); the older ones are removed only
+        after the new one is durable."""
+        save_checkpoint(path, state)
+        prune_checkpoints(self.out_dir, self.config.keep_checkpoints,
+                          best=self._best_checkpoint())
+
+    def _best_checkpoint(self) -> Path | None:
+        """The end-of-epoch checkpoint on disk whose epoch has the best recorded metric
+        (``<first eval split>_<headline>`` of the history; the newest of equals)."""
+        key = f"{self.task.eval_splits[0]}_{self.task.headline}"
+        scored = {r["epoch"]: r[key] for r in self.history
+                  if key in r and np.isfinite(r[key])}
+        candidates = [p for p in checkpoints_newest_first(self.out_dir)
+                      if checkpoint_epoch(p)[1] is None and checkpoint_epoch(p)[0] in scored]
+        if not candidates:
+            return None
+        sign = 1.0 if self.task.lower_is_better else -1.0
+        return min(candidates, key=lambda p: sign * scored[checkpoint_epoch(p)[0]])
 
     def evaluate(self, split: str) -> dict[str, Any]:
         metrics, records = self.engine.evaluate(self.ema.module, split,
@@ -390,7 +414,7 @@ class Trainer:
         headline = self.task.headline
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.out_dir / "config.json", c.to_dict())
+            atomic_write_json(self.out_dir / "config.json", c.to_file())
             write_param_groups(self.out_dir, self.model, self.optimizer)
             self._rewrite_log()
         done_now = 0
@@ -425,7 +449,7 @@ class Trainer:
             stopping = stop_after is not None and done_now >= stop_after
             if self.is_writer and (self.epoch % c.checkpoint_every == 0
                                    or self.epoch == c.epochs or stopping):
-                save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
+                self._save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
             if self.epoch < c.epochs and self._stop_requested():
                 self._interrupt(None)  # between epochs: the checkpoint is the epoch's
             if stopping and self.epoch < c.epochs:

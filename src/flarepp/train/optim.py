@@ -36,7 +36,7 @@ from torch import nn
 
 from flarepp.io import atomic_write_json
 from flarepp.registry import Registry
-from flarepp.train.config import RunConfig
+from flarepp.storage.config import RunConfig
 
 DecayRule = Callable[[str, nn.Parameter, nn.Module], bool]
 """``rule(name, parameter, owner) -> decayed?``; ``owner`` the module holding it directly."""

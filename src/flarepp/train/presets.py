@@ -10,7 +10,7 @@ written out per dataset in every preset so that a run's ``config.json`` states i
 gradients), ``input_norm`` (the study's per-dataset rule), weight decay on the weight
 matrices only, beta1 cycled 0.95 -> 0.85 -> 0.95, and ``attn_scale="reference"`` (SDPA
 scale 1.0 for FLARE as in the study's runs, the paper's 1/sqrt(D) for the others; see
-:class:`flarepp.train.config.RunConfig`). ``--set loss=mse --set input_norm=standard --set
+:class:`flarepp.storage.config.RunConfig`). ``--set loss=mse --set input_norm=standard --set
 weight_decay_groups=all --set momentum_cycle=None --set attn_scale=sqrt`` gives flarepp's
 earlier protocol.
 
@@ -25,7 +25,7 @@ from typing import Any
 from flarepp.paper import TABLE7, TABLE8
 from flarepp.registry import Registry
 from flarepp.tasks.fields import REFERENCE_INPUT_NORM, REFERENCE_LOSS
-from flarepp.train.config import RunConfig
+from flarepp.storage.config import RunConfig
 
 PRESETS: Registry = Registry("preset")
 
@@ -86,8 +86,15 @@ PRESETS.add("npz", RunConfig(
 
 
 def get_preset(name: str, overrides: list[str] | None = None) -> RunConfig:
-    from flarepp.train.config import apply_overrides
-    return apply_overrides(PRESETS.get(name), list(overrides or []))
+    from flarepp.storage.config import apply_overrides
+    from flarepp.train.checks import check_run_config
+    overrides = list(overrides or [])
+    config = apply_overrides(PRESETS.get(name), overrides)
+    try:
+        return check_run_config(config)
+    except ValueError as err:
+        keys = ", ".join(item.split("=", 1)[0] for item in overrides)
+        raise ValueError(f"{err} (with --set {keys})" if overrides else str(err)) from None
 
 
 # Byte-level language model on the Python standard library's sources (task ``lm``,
@@ -112,7 +119,7 @@ _language_preset("lm-tiny-attention", "attention-causal",
 
 
 # Long Range Arena (task ``sequence``, paper Sec. 4.3 and D.5): one preset per task and size,
-# read from the task table flarepp.data.lra.LRA_TASKS (FLARE++ as the mixer; `flarepp lra
+# read from the task table flarepp.data.lra.LRA_BENCHMARKS (FLARE++ as the mixer; `flarepp lra
 # train TASK --mixer NAME` builds the same config for any other mixer).
 def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
                    steps: int | None = None, split_limits: dict[str, int] | None = None,
@@ -132,8 +139,9 @@ def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
     batches of that size); weight decay applies to the weight matrices of linear maps
     (``weight_decay_groups="weights"``, as the other presets).
     """
-    from flarepp.data.lra import LRA_DATASETS, LRA_TASKS
-    spec = LRA_TASKS.get(task)
+    from flarepp.data.lra import LRA_DATASETS
+    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
+    spec = LRA_BENCHMARKS.get(task)
     s = spec.settings(size)
     tiny = size == "tiny" and spec.tiny_dataset is not None
     dataset = spec.tiny_dataset if tiny else spec.dataset
@@ -166,8 +174,8 @@ def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
 
 
 def _lra_presets() -> None:
-    from flarepp.data.lra import LRA_TASKS
-    for task in LRA_TASKS.names():
+    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
+    for task in LRA_BENCHMARKS.names():
         for size, what in (("paper", "the FLARE study's LRA settings"),
                            ("tiny", "CPU-sized, offline data where there is some")):
             config = lra_run_config(task, size)

@@ -35,5 +35,26 @@ GENERATORS.add("advection-diffusion", make_advection_diffusion, defaults={"resol
                doc="transient 2-D advection-diffusion with a pulsating source, exact Fourier "
                    "integrator (.npz trajectories; rollout task)")
 
-__all__ = ["GENERATORS", "make_advection_diffusion", "make_darcy", "make_elasticity",
-           "make_surface_flow"]
+_OTHER_SOURCES = {
+    "drivaerml": "download the DrivAerML release (docs/drivaerml.md), or make a synthetic "
+                 "stand-in in its layout with `flarepp data make surface-flow --out {out}` "
+                 "(its split file is {out}/split.json)",
+    "listops": "make it with `flarepp lra data make listops --out {out}`",
+    "pathfinder": "make it with `flarepp lra data make pathfinder --out {out}`",
+}
+
+
+def how_to_get(dataset: str, out: str) -> str:
+    """How to obtain ``dataset``'s files in ``out``, as a clause of a sentence: the
+    generator that writes them, or where the release is described (docs/data.md,
+    docs/lra.md) when flarepp has no generator for it."""
+    if dataset in GENERATORS.names():
+        return f"make it with `flarepp data make {dataset} --out {out}`"
+    if dataset in _OTHER_SOURCES:
+        return _OTHER_SOURCES[dataset].format(out=out)
+    return (f"flarepp has no generator for {dataset!r}: download its release into {out} "
+            "(docs/data.md and docs/lra.md list each dataset's files)")
+
+
+__all__ = ["GENERATORS", "how_to_get", "make_advection_diffusion", "make_darcy",
+           "make_elasticity", "make_surface_flow"]

@@ -135,7 +135,11 @@ def make_listops(out: str | Path, *, n_train: int = 96_000, n_val: int = 2_000,
                  min_length: int = 500, max_length: int = 2000, progress: bool = True,
                  overwrite: bool = False) -> list[Path]:
     """Write ``basic_{train,val,test}.tsv`` into ``out`` (LRA's defaults reproduce the
-    release's sizes); the three splits share no expression."""
+    release's sizes); the three splits share no expression. Every split needs at least one
+    expression: an empty split would be a file that trains or scores nothing."""
+    for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+        if value < 1:
+            raise ValueError(f"ListOps {name} must be at least 1, got {value}")
     out = Path(out)
     paths = {split: out / name for split, name in SPLIT_FILES.items()}
     refuse_existing(list(paths.values()), overwrite)

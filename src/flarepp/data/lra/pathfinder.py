@@ -329,6 +329,8 @@ def make_pathfinder(out: str | Path, *, count: int = 10_000, difficulty: str =
     """Write ``count`` images in the release layout under ``out/<difficulty>/`` (module
     docstring); returns the metadata files. Images of a folder are written before its
     metadata file, which appears atomically, so a reader never sees a partial folder."""
+    if count < 1:
+        raise ValueError(f"Pathfinder count must be at least 1, got {count}")
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown Pathfinder difficulty {difficulty!r}; known: "
                          f"{', '.join(DIFFICULTIES)}")

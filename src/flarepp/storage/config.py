@@ -1,10 +1,15 @@
 """Run configuration (paper Tables 7-8, C.2; the FLARE study's protocol) and ``--set`` overrides.
 
-A :class:`RunConfig` is checked completely when it is made -- every field's type, every
-``model`` key against the chosen architecture's (and mixer's) config class, every
-``dataset_options`` key against the dataset loader's options, and the task's own options --
-so a typo or a bad value fails at once, naming the key and the known ones, before any data
-is read or any model is built.
+A :class:`RunConfig` is checked when it is made -- every field's type, every ``model`` key
+against the chosen architecture's (and mixer's) config class, every ``dataset_options`` key
+against the dataset loader's options -- so a typo or a bad value fails at once, naming the
+key and the known ones, before any data is read or any model is built. The checks that
+belong to higher floors (the task's own options, the optimiser's rules) are added by
+:func:`flarepp.train.check_run_config`, which every preset and command applies.
+
+Stored configs carry :data:`CONFIG_VERSION`: :meth:`RunConfig.from_stored` reads what a run
+stored (an unversioned one trained the :data:`LEGACY_PROTOCOL`), :meth:`RunConfig.from_dict`
+what a user wrote (today's defaults for whatever it leaves out).
 """
 
 from __future__ import annotations
@@ -23,6 +28,26 @@ from flarepp.validate import require_positive
 
 # How a run executes, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size")
+
+CONFIG_VERSION = 2
+"""The format of a stored run config. 1: the configs of runs stored before the version was
+written (they lack it; an absent protocol field means :data:`LEGACY_PROTOCOL`); 2: the
+version is written, and ``config.json`` is laid out in :data:`FILE_SECTIONS`."""
+
+VERSION_KEY = "config_version"
+
+FILE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "data": ("dataset", "dataset_options", "data_root"),
+    "optimisation": ("epochs", "batch_size", "lr", "weight_decay", "betas", "eps", "pct_start",
+                     "div_factor", "final_div_factor", "grad_clip", "ema_decay",
+                     "latent_schedule"),
+    "protocol": ("loss", "grad_loss_weight", "input_norm", "weight_decay_groups",
+                 "momentum_cycle", "attn_scale", "precision"),
+    "runtime": ("device", "compile", "loader_workers", "eval_chunk_size", "checkpoint_every",
+                "eval_every", "plot_cases"),
+}
+"""How ``config.json`` groups the fields beside ``name``, ``task``, ``seed`` and ``model``
+(the model section is the ``model`` field itself)."""
 
 LEGACY_PROTOCOL: dict[str, Any] = {
     "loss": "mse", "grad_loss_weight": 0.1, "input_norm": "standard",
@@ -141,16 +166,10 @@ class RunConfig:
                              f"{', '.join(ATTN_SCALE_WORDS)}, got {self.attn_scale!r}")
         if not isinstance(self.attn_scale, str) and not self.attn_scale > 0:
             raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
-        from flarepp.train.optim import WEIGHT_DECAY_GROUPS
-        WEIGHT_DECAY_GROUPS.entry(self.weight_decay_groups)
         if self.latent_schedule is not None:
             self.schedule()  # parses, or raises naming the problem
-        from flarepp.tasks import TASKS  # importing the tasks registers their datasets
-        task_cls = TASKS.get(self.task)
         self._check_model()
         self._check_dataset()
-        if hasattr(task_cls, "check_config"):
-            task_cls.check_config(self)
 
     # -- checks against the registries -----------------------------------------------------
     def _check_model(self) -> None:
@@ -205,28 +224,61 @@ class RunConfig:
 
     # -- views -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, flat, with :data:`VERSION_KEY` (what a checkpoint stores)."""
+        return {VERSION_KEY: CONFIG_VERSION, **asdict(self)}
 
     def identity(self) -> dict[str, Any]:
-        """What the run computes: the config without its runtime fields."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+        """What the run computes: the fields without the runtime ones (and the version)."""
+        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_FIELDS}
 
     def workers(self, device_type: str) -> int:
         if self.loader_workers >= 0:
             return self.loader_workers
         return 2 if device_type == "cuda" else 0
 
+    def to_file(self) -> dict[str, Any]:
+        """What ``config.json`` holds: :data:`VERSION_KEY`, ``name``, ``task``, ``seed``,
+        ``model``, then the fields grouped in :data:`FILE_SECTIONS`."""
+        flat = self.to_dict()
+        out: dict[str, Any] = {VERSION_KEY: CONFIG_VERSION}
+        out.update({k: flat.pop(k) for k in ("name", "task", "seed", "model")})
+        for section, keys in FILE_SECTIONS.items():
+            out[section] = {k: flat.pop(k) for k in keys}
+        out.update(flat)   # a field no section names yet stays at the top
+        return out
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
-        """A config from ``to_dict()`` output (a ``config.json``); a protocol field it
-        lacks was stored before that field existed and takes its :data:`LEGACY_PROTOCOL`
-        value (what that run trained with)."""
+        """A config from a user's dict or file: flat (``to_dict()``) or in sections
+        (``to_file()``). Every field it lacks takes today's default; ``name`` defaults to
+        the dataset's name."""
+        return cls._from_flat(flatten_sections(d))
+
+    @classmethod
+    def from_stored(cls, d: dict[str, Any]) -> "RunConfig":
+        """A config a run stored (in a checkpoint or its ``config.json``). One without
+        :data:`VERSION_KEY` was stored before versions were written: a protocol field it
+        lacks takes its :data:`LEGACY_PROTOCOL` value, what that run trained with."""
+        flat = flatten_sections(d)
+        if VERSION_KEY not in d:
+            flat = {**LEGACY_PROTOCOL, **flat}
+        return cls._from_flat(flat)
+
+    @classmethod
+    def _from_flat(cls, d: dict[str, Any]) -> "RunConfig":
+        d = {k: v for k, v in d.items() if k != VERSION_KEY}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown run config key(s) {unknown}; known keys: "
                              f"{', '.join(sorted(known))}")
-        return cls(**{**LEGACY_PROTOCOL, **d})
+        if "name" not in d and isinstance(d.get("dataset"), str):
+            d["name"] = d["dataset"]
+        missing = [f.name for f in fields(cls) if f.name in ("name", "dataset") and f.name not in d]
+        if missing:
+            raise ValueError(f"run config key(s) {missing} missing: a run config names at "
+                             "least its dataset")
+        return cls(**d)
 
     def schedule(self):
         """The :class:`flarepp.rank_growth.LatentSchedule` of ``latent_schedule`` (or None)."""
@@ -279,6 +331,28 @@ class RunConfig:
         cls = model_config_class(kwargs.get("arch", "surrogate"))
         dim, heads = (kwargs.get(k, _field_default(cls, k)) for k in ("dim", "heads"))
         return describe_scale(self.sdpa_scale(), dim // heads if dim and heads else None)
+
+
+def flatten_sections(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with the :data:`FILE_SECTIONS` of a ``config.json`` merged into the top level
+    (a flat dict is returned as it is, less nothing). A key given both in a section and at
+    the top is an error, naming it."""
+    if not isinstance(d, dict):
+        raise ValueError(f"a run config is a JSON object, got {type(d).__name__}")
+    flat = {k: v for k, v in d.items() if k not in FILE_SECTIONS}
+    for section in FILE_SECTIONS:
+        if section not in d:
+            continue
+        values = d[section]
+        if not isinstance(values, dict):
+            raise ValueError(f"run config section {section!r} must be an object, got "
+                             f"{values!r}")
+        twice = sorted(set(values) & set(flat))
+        if twice:
+            raise ValueError(f"run config key(s) {twice} given both in section {section!r} "
+                             "and at the top level")
+        flat.update(values)
+    return flat
 
 
 def describe_scale(scale: float | None, head_dim: int | None = None) -> str:
@@ -404,7 +478,7 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
-        if len(parts) == 1 and parts[0] not in d:
+        if len(parts) == 1 and (parts[0] not in d or parts[0] == VERSION_KEY):
             raise ValueError(f"--set {key}: unknown key; known keys: {', '.join(sorted(d))} "
                              f"and the sections {', '.join(SECTIONS)} (e.g. model.latents)")
         target = d
@@ -423,6 +497,7 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
         raise ValueError(f"{err} (with --set {keys})" if overrides else str(err)) from None
 
 
-__all__ = ["ATTN_SCALE_WORDS", "LEGACY_PROTOCOL", "REFERENCE_ATTN_SCALE", "RUNTIME_FIELDS",
+__all__ = ["ATTN_SCALE_WORDS", "CONFIG_VERSION", "FILE_SECTIONS", "LEGACY_PROTOCOL", "VERSION_KEY",
+           "flatten_sections", "REFERENCE_ATTN_SCALE", "RUNTIME_FIELDS",
            "RunConfig", "apply_overrides", "check_types", "conforms", "describe_scale",
            "model_config_class", "parse_value"]

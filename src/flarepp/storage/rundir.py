@@ -1,4 +1,4 @@
-"""A run directory's identity: who may write into it, and which data it was trained on.
+"""A run directory's identity: who may write into it.
 
 * :class:`RunLock` -- an exclusive lock on ``<run>/.lock`` held for the run's life, so two
   ``flarepp train`` processes cannot interleave one log and overwrite each other's
@@ -6,16 +6,15 @@
   exits, however it exits (SIGKILL included), so a lock left by a dead process never blocks.
   The file records the holder (pid, host, start time, command) for the message a second
   process gets, :class:`RunLocked`.
-* :func:`data_fingerprint` -- the resolved data path and a SHA-256 of the training split's
-  arrays, stored with a run so that ``--resume`` can refuse different data
-  (:func:`check_same_data`) and evaluation can find the run's data when none is given.
+
+The fingerprint of the data a run was trained on belongs to the data layer
+(:mod:`flarepp.data.fingerprint`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shlex
@@ -24,9 +23,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import numpy as np
 
 LOCK_NAME = ".lock"
 
@@ -183,66 +181,4 @@ class RunLock:
                 "another --out")
 
 
-# ---------------------------------------------------------------------------------------------
-# the data a run was trained on
-
-FINGERPRINT_KEYS = ("x", "y", "mask")
-"""The arrays of a :class:`~flarepp.data.MeshSamples` that enter its fingerprint."""
-
-
-def _named_arrays(samples_or_arrays: Any) -> list[tuple[str, np.ndarray]]:
-    if isinstance(samples_or_arrays, Mapping):
-        return [(str(k), np.asarray(v)) for k, v in samples_or_arrays.items()]
-    if isinstance(samples_or_arrays, Sequence):
-        return [(str(i), np.asarray(v)) for i, v in enumerate(samples_or_arrays)]
-    arrays = [(k, getattr(samples_or_arrays, k)) for k in FINGERPRINT_KEYS]
-    return [(k, np.asarray(v)) for k, v in arrays if v is not None]
-
-
-def data_fingerprint(samples_or_arrays: Any, path: str | Path) -> dict[str, Any]:
-    """``{"path", "sha256", "arrays"}``: where the data is and what its training split holds.
-
-    ``samples_or_arrays``: the training split (a ``MeshSamples``: its ``x``, ``y`` and
-    ``mask``), a dict of named arrays or a sequence of arrays. The SHA-256 runs over each
-    array's name, dtype, shape and C-order bytes, so a reordered, resized, re-typed or edited
-    array changes it; ``arrays`` lists the shapes and dtypes for messages. One pass over the
-    bytes, no copy of contiguous arrays (the Darcy training split, 1000 x 7225 x 3 + 1
-    float32, 116 MB, hashes in well under a second on one core).
-    """
-    digest = hashlib.sha256()
-    described = {}
-    for name, arr in _named_arrays(samples_or_arrays):
-        arr = np.ascontiguousarray(arr)
-        header = json.dumps([name, arr.dtype.str, list(arr.shape)]).encode()
-        digest.update(len(header).to_bytes(8, "little") + header)
-        digest.update(memoryview(arr).cast("B"))
-        described[name] = {"shape": list(arr.shape), "dtype": arr.dtype.name}
-    return {"path": str(Path(path).expanduser().resolve()), "sha256": digest.hexdigest(),
-            "arrays": described}
-
-
-class DataMismatch(ValueError):
-    """The data given now is not the data a run was trained on."""
-
-
-def check_same_data(stored: Mapping[str, Any], current: Mapping[str, Any], *,
-                    what: str = "--resume") -> None:
-    """Raise :class:`DataMismatch` unless both fingerprints hash the same training split.
-
-    The path alone may differ (the data was moved or copied); the content may not.
-    """
-    if stored["sha256"] == current["sha256"]:
-        return
-
-    def shapes(fp: Mapping[str, Any]) -> str:
-        return ", ".join(f"{k} {a['shape']}" for k, a in fp["arrays"].items())
-
-    raise DataMismatch(
-        f"{what}: the run was trained on the data at {stored['path']!r} ({shapes(stored)}, "
-        f"sha256 {stored['sha256'][:12]}...), but the data at {current['path']!r} holds a "
-        f"different training split ({shapes(current)}, sha256 {current['sha256'][:12]}...); "
-        "pass the run's data, or start a new run in another --out")
-
-
-__all__ = ["DataMismatch", "LockHolder", "RunLock", "RunLocked", "check_same_data",
-           "data_fingerprint"]
+__all__ = ["LockHolder", "RunLock", "RunLocked"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,9 +32,9 @@ from torch import nn
 
 from flarepp.data import Normalizer
 from flarepp.device import HOST
-from flarepp.io import atomic_write, is_temporary
+from flarepp.io import atomic_write, fsync_directory, is_temporary
 from flarepp.models import model_from_config
-from flarepp.train.config import RunConfig
+from flarepp.storage.config import RunConfig
 
 FORMAT_VERSION = 1
 REQUIRED = ("format_version", "config", "model_config", "model", "ema", "epoch",
@@ -77,9 +78,26 @@ def portable_state(state: Any, key: str = "state") -> Any:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` plus the format version atomically (:func:`flarepp.io.atomic_write`)."""
+    """Write ``state`` plus the format version atomically (:func:`flarepp.io.atomic_write`).
+
+    A failed write (a full disk, a file-size limit) leaves the previous checkpoints and no
+    temporary, and raises :class:`CheckpointError` naming the file and the free space:
+    torch reports such a failure as a bare ``RuntimeError`` about its zip writer."""
     portable = portable_state({"format_version": FORMAT_VERSION, **state})
-    atomic_write(path, lambda tmp: torch.save(portable, tmp))
+    try:
+        atomic_write(path, lambda tmp: torch.save(portable, tmp))
+    except (RuntimeError, OSError) as err:
+        path = Path(path)
+        try:
+            free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else \
+            str(err).splitlines()[0]
+        raise CheckpointError(f"could not write checkpoint {str(path)!r} ({reason}; "
+                              f"{free} on its file system): a full disk or a file-size limit "
+                              "does this; the earlier checkpoints are intact, so free space "
+                              "and continue with --resume") from None
 
 
 def _load(path: Path) -> Any:
@@ -96,7 +114,18 @@ def _load(path: Path) -> Any:
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location=HOST, weights_only=True)
     except pickle.UnpicklingError as err:
-        if "weights only" in str(err).lower() or "weights_only" in str(err):
+        refused = "weights only" in str(err).lower() or "weights_only" in str(err)
+        kind = _pickle_kind(path, str(err)) if refused else "code"
+        if kind == "bytes":
+            raise CheckpointError(f"checkpoint {name} is corrupt or not a checkpoint: its "
+                                  "bytes are neither a torch archive nor a valid pickle "
+                                  "(random or overwritten data, or another file "
+                                  "format)") from None
+        if kind == "data":
+            raise CheckpointError(f"checkpoint {name} is a pickle in a form torch's safe "
+                                  "loader does not read; it was not written by flarepp "
+                                  "(flarepp writes torch archives)") from None
+        if refused:
             raise CheckpointError(
                 f"checkpoint {name} was refused: it holds Python objects other than tensors "
                 "and plain data, and unpickling them could run arbitrary code; flarepp "
@@ -106,6 +135,26 @@ def _load(path: Path) -> Any:
     except Exception as err:  # torch raises many types for a truncated or foreign file
         raise CheckpointError(f"checkpoint {name} is corrupt, truncated or not a flarepp "
                               f"checkpoint ({type(err).__name__}: {err})") from None
+
+
+def _pickle_kind(path: Path, message: str) -> str:
+    """What a file ``torch.load(weights_only=True)`` refused holds: ``"code"`` when it names
+    a Python callable or class (what a crafted pickle needs to run code), ``"data"`` for a
+    pickle of plain values in a protocol torch's loader refuses, ``"bytes"`` for anything
+    that is no pickle (random or overwritten bytes).
+
+    torch names the refused global in its message for a torch archive; a bare pickle, which
+    torch may refuse at its first unsupported opcode before any global, is listed with
+    :mod:`pickletools`, which executes nothing."""
+    import pickletools
+    if "global" in message.lower():
+        return "code"
+    try:
+        with open(path, "rb") as f:
+            names = {op.name for op, _, _ in pickletools.genops(f)}
+    except Exception:  # pickletools raises ValueError and others on bytes that are no pickle
+        return "bytes"
+    return "code" if names & {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE"} else "data"
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -176,12 +225,42 @@ def newest_readable_checkpoint(out_dir: str | Path) -> CheckpointSearch:
     return CheckpointSearch(None, None, unreadable)
 
 
+def checkpoint_epoch(path: Path) -> tuple[int, int | None]:
+    """``(epochs, step)`` of a checkpoint file name (``step`` None at an epoch's end)."""
+    match = CHECKPOINT_NAME.fullmatch(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint file name (epoch_<n>.pt)")
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int | None, *,
+                      best: Path | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints of ``out_dir`` and ``best``; returns
+    the deleted ones. ``keep`` None keeps every checkpoint.
+
+    Call it only after the newest checkpoint was written (its write is durable when
+    :func:`save_checkpoint` returns), so that what ``--resume`` reads is never the one
+    removed; it keeps at least one."""
+    if keep is None:
+        return []
+    newest = checkpoints_newest_first(out_dir)
+    kept = set(newest[:max(keep, 1)])
+    if best is not None:
+        kept.add(Path(best))
+    removed = [path for path in newest if path not in kept]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    if removed:
+        fsync_directory(Path(out_dir) / "checkpoints")
+    return removed
+
+
 def remove_stale_temporaries(out_dir: str | Path) -> list[Path]:
     """Delete the temporaries that killed atomic writes left in ``out_dir``; returns them.
 
     Matches :func:`flarepp.io.is_temporary` (``.<name>.<pid>.<random>.tmp``, and the
     ``.<name>.<8 characters>.tmp`` of earlier flarepp versions) anywhere below ``out_dir``.
-    Call it while holding the run's :class:`~flarepp.train.rundir.RunLock`: no other writer
+    Call it while holding the run's :class:`~flarepp.storage.rundir.RunLock`: no other writer
     may be working in the directory then, so every temporary is stale.
     """
     removed: list[Path] = []
@@ -213,26 +292,54 @@ class TrainedModel:
     units: str
 
 
-def load_trained_model(path: str | Path, *, ema: bool = True) -> TrainedModel:
-    """Rebuild the model from a checkpoint alone (EMA weights by default)."""
-    state = read_checkpoint(path)
+def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool = True) -> nn.Module:
+    """The one way to rebuild a trained model: its architecture from the checkpoint's
+    ``model_config`` alone, then its EMA (default) or live weights, in eval mode on the CPU."""
     model = model_from_config(state["model_config"])
-    weights = state["ema"] if ema else state["model"]
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(state["ema"] if ema else state["model"])
     except RuntimeError as err:
         raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its model "
                               f"config ({err})") from None
-    model.eval()
+    return model.eval()
+
+
+def load_trained_model(path: str | Path, *, ema: bool = True) -> TrainedModel:
+    """Rebuild the model from a checkpoint alone (EMA weights by default)."""
+    state = read_checkpoint(path)
+    norms = state["normalizers"]
+    if not (isinstance(norms, dict) and "x" in norms and "y" in norms):
+        config = state["config"] if isinstance(state["config"], dict) else {}
+        task = config.get("task", "fields")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a run of the {task!r} task, whose model does not "
+            "map mesh points to fields (it stores no input and output normalisers); score "
+            "it with `flarepp eval`" + (", sample from it with `flarepp generate`"
+                                        if task == "lm" else ""))
+    model = rebuild_model(state, path, ema=ema)
     data = state.get("data", {})
-    return TrainedModel(model, RunConfig.from_dict(state["config"]),
+    return TrainedModel(model, RunConfig.from_stored(state["config"]),
                         Normalizer.from_state_dict(state["normalizers"]["x"]),
                         Normalizer.from_state_dict(state["normalizers"]["y"]),
                         int(state["epoch"]), data.get("field_names", ["u"]),
                         data.get("units", ""))
 
 
+def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool = True) -> nn.Module:
+    """The token decoder of a checkpoint (EMA weights by default), on ``device``, eval mode."""
+    from flarepp.models.causal_lm import CausalLM
+    state = read_checkpoint(path)
+    model = rebuild_model(state, path, ema=ema)
+    if not isinstance(model, CausalLM) or not model.takes_tokens:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds a "
+                              f"{state['model_config'].get('arch')!r} model; generation needs "
+                              "a causal-lm over tokens (e.g. a run of the lm-tiny preset)")
+    return model.to(device)
+
+
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
-           "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_trained_model",
-           "newest_readable_checkpoint", "portable_state", "read_checkpoint",
-           "remove_stale_temporaries", "save_checkpoint"]
+           "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_causal_lm",
+           "load_trained_model", "rebuild_model",
+           "newest_readable_checkpoint", "portable_state", "prune_checkpoints",
+           "read_checkpoint", "remove_stale_temporaries", "save_checkpoint",
+           "checkpoint_epoch"]

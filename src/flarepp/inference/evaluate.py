@@ -15,12 +15,10 @@ import torch
 
 from flarepp.device import resolve_device
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.models import model_from_config
 from flarepp.tasks import Task, build_task
-from flarepp.tasks.fields import relative_l2
-from flarepp.train.checkpoint import CheckpointError, read_checkpoint
-from flarepp.train.config import RunConfig
-from flarepp.train.engine import Engine
+from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
+from flarepp.storage.config import RunConfig
+from flarepp.inference.engine import Engine
 
 
 def run_data(state: dict[str, Any], config: RunConfig) -> str:
@@ -35,13 +33,8 @@ def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None
                         ) -> tuple[torch.nn.Module, Task, RunConfig, dict[str, Any]]:
     """``(model on device, task with the checkpoint's normalisers, config, state)``."""
     state = read_checkpoint(path)
-    config = RunConfig.from_dict(state["config"])
-    model = model_from_config(state["model_config"])
-    try:
-        model.load_state_dict(state["ema"] if ema else state["model"])
-    except RuntimeError as err:
-        raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its model "
-                              f"config ({err})") from None
+    config = RunConfig.from_stored(state["config"])
+    model = rebuild_model(state, path, ema=ema)
     task = build_task(config, data_root if data_root is not None else run_data(state, config))
     task.check_model(state["model_config"])
     task.load_state_dict(state["normalizers"])
@@ -94,5 +87,5 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
     return {f"{split}_{task.headline}": result[task.headline]}
 
 
-__all__ = ["evaluate_checkpoint", "load_for_evaluation", "relative_l2",
+__all__ = ["evaluate_checkpoint", "load_for_evaluation",
            "write_checkpoint_outputs"]

@@ -1,4 +1,4 @@
-"""The five Long Range Arena tasks: data, model and optimisation settings in one table.
+"""The five Long Range Arena benchmarks: data, model and optimisation settings in one table.
 
 Paper Section 4.3 and D.5 (Table 12) run FLARE++ "with FLARE's backbone and task
 configurations". ``paper`` settings transcribe the commands of the FLARE study's
@@ -115,8 +115,8 @@ class LRARunSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LRATask:
-    """One LRA task: its dataset (a :data:`~flarepp.data.lra.LRA_DATASETS` name), whether
+class LRABenchmark:
+    """One LRA benchmark: its dataset (a :data:`~flarepp.data.lra.LRA_DATASETS` name), whether
     it pairs two documents, ``paper`` and ``tiny`` settings, the offline data for ``tiny``
     (``tiny_dataset``; ``tiny_make``: options of ``flarepp lra data make``; ``tiny_load``:
     options of its loader), ``notes`` on where the reference differs from what runs here."""
@@ -158,11 +158,11 @@ class LRATask:
                                         **options)
 
 
-LRA_TASKS: Registry = Registry("LRA task")
+LRA_BENCHMARKS: Registry = Registry("LRA benchmark")
 
 _FLARE = {"heads": 8, "latents": 128, "attn_scale": 1.0}
 
-LRA_TASKS.add("listops", LRATask(
+LRA_BENCHMARKS.add("listops", LRABenchmark(
     name="listops", dataset="listops",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
@@ -176,7 +176,7 @@ LRA_TASKS.add("listops", LRATask(
     tiny_load={"max_length": 300},
 ), doc="ListOps: 10-way, sequences of 500-2000 tokens (tiny: 50-300)")
 
-LRA_TASKS.add("text", LRATask(
+LRA_BENCHMARKS.add("text", LRABenchmark(
     name="text", dataset="imdb",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          pooling="cls", flare_family={"latents": 128, "attn_scale": None},
@@ -192,7 +192,7 @@ LRA_TASKS.add("text", LRATask(
           "Linformer block above it; 1e-5 is the section's own LR.",
 ), doc="Text: byte-level IMDB sentiment, 2-way, up to 4000 bytes")
 
-LRA_TASKS.add("retrieval", LRATask(
+LRA_BENCHMARKS.add("retrieval", LRABenchmark(
     name="retrieval", dataset="aan", two_tower=True,
     paper=LRARunSettings(blocks=4, dim=128, heads=4, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
@@ -207,7 +207,7 @@ LRA_TASKS.add("retrieval", LRATask(
           "reference (tower_combine='lra' gives LRA's [u, v, u*v, u-v]).",
 ), doc="Retrieval: byte-level AAN citation pairs, 2-way, two documents of up to 4000 bytes")
 
-LRA_TASKS.add("image", LRATask(
+LRA_BENCHMARKS.add("image", LRABenchmark(
     name="image", dataset="cifar10",
     paper=LRARunSettings(blocks=3, dim=64, heads=4, ffn_ratio=2.0, latents=256,
                          flare_family={"heads": 8, "latents": 256, "attn_scale": 1.0},
@@ -222,7 +222,7 @@ LRA_TASKS.add("image", LRATask(
           "Debian's dataset-fashion-mnist, 784 tokens; a different, easier data set.",
 ), doc="Image: grayscale CIFAR-10 pixels, 10-way (tiny: Fashion-MNIST)")
 
-LRA_TASKS.add("pathfinder32", LRATask(
+LRA_BENCHMARKS.add("pathfinder32", LRABenchmark(
     name="pathfinder32", dataset="pathfinder",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=1.0, latents=128,
                          embedding_dropout=0.1, flare_family=_FLARE, epochs=200, lr=5e-4,
@@ -241,4 +241,4 @@ LRA_TASKS.add("pathfinder32", LRATask(
 ), doc="Pathfinder-32: are the two dots connected? 2-way, 1024 pixels (hard set)")
 
 
-__all__ = ["FLARE_FAMILY", "LRA_TASKS", "LRARunSettings", "LRATask"]
+__all__ = ["FLARE_FAMILY", "LRA_BENCHMARKS", "LRARunSettings", "LRABenchmark"]

@@ -10,7 +10,7 @@ records before the task summarises them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -21,8 +21,36 @@ from flarepp.device import autocast
 from flarepp.distributed.encoder import global_sum
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.distributed.parallel import gather_tokens, shard_slice
+from flarepp.distributed.streaming import stream_forward
 from flarepp.tasks.base import Batch, Task, gather_records
-from flarepp.train.batching import eval_keys, make_loader, to_device, to_device_prefetched
+from flarepp.inference.batching import eval_keys, make_loader, to_device, to_device_prefetched
+
+
+@torch.no_grad()
+def predict_tokens(model: nn.Module, batch: Batch, *, device: torch.device,
+                   chunk_size: int | None = None, group: Any = None,
+                   forward: Callable[[Batch], torch.Tensor] | None = None) -> torch.Tensor:
+    """The one prediction path: ``model``'s output for every token of ``batch``.
+
+    ``batch`` holds ``x`` ``[B, N, I]`` (and ``mask`` ``[B, N]``) already cut to this rank's
+    token shard when ``group`` (the context-parallel group, paper Appendix B) is given.
+    With ``chunk_size`` the tokens are streamed through ``device`` in chunks whose encoder
+    partials merge by the log-sum-exp rule (:func:`~flarepp.distributed.stream_forward`);
+    otherwise ``forward(batch)`` (default ``model(x, mask)``) runs on tensors already on
+    ``device``. Under ``group`` every rank returns the gathered ``[B, N, O]``. Every
+    strategy computes the same function as ``model(x, mask)``; autocast is the caller's.
+    """
+    if chunk_size is not None:
+        pred = stream_forward(model, batch["x"], batch.get("mask"), chunk_size=chunk_size,
+                              device=device, group=group)
+    elif forward is not None:
+        pred = forward(batch)
+    else:
+        mask = batch.get("mask")
+        pred = model(batch["x"].to(device), mask=None if mask is None else mask.to(device))
+    if group is not None:
+        pred = gather_tokens(pred.to(device).contiguous(), group)
+    return pred
 
 
 class Engine:
@@ -61,18 +89,11 @@ class Engine:
     @torch.no_grad()
     def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Predictions for the whole of ``batch`` (token shards gathered, or streamed)."""
-        if self.chunk_size is not None:
-            from flarepp.distributed.streaming import stream_forward
-            shard = self.shard(batch)
-            with autocast(self.precision, self.device):
-                pred = stream_forward(model, shard["x"], shard.get("mask"),
-                                      chunk_size=self.chunk_size, device=self.device,
-                                      group=self.plan.cp_group)
-        else:
-            pred = self.forward(model, self.shard(batch))
-        if self.plan.cp_group is not None:
-            pred = gather_tokens(pred.contiguous(), self.plan.cp_group)
-        return pred
+        shard = self.shard(batch)
+        with autocast(self.precision, self.device):
+            return predict_tokens(model, shard, device=self.device, chunk_size=self.chunk_size,
+                                  group=self.plan.cp_group,
+                                  forward=lambda b: self.task.forward(model, b))
 
     def predict_cases(self, model: nn.Module, split: str, indices: list[int]
                       ) -> dict[int, np.ndarray]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from flarepp.data import Normalizer
 from flarepp.distributed.parallel import ContextParallel
-from flarepp.distributed.streaming import stream_forward
+from flarepp.inference.engine import predict_tokens
 
 
 @torch.no_grad()
@@ -47,17 +47,14 @@ def predict_mesh(model: nn.Module, x_SNI: np.ndarray, mask_SN: np.ndarray | None
             x = x * mask[..., None]  # padding stays exactly zero, as in training
         if cp is not None:
             x, mask = cp.shard(x), cp.shard(mask)
+        batch = {"x": x} if mask is None else {"x": x, "mask": mask}
         amp = (torch.autocast(torch.device(device).type, dtype=amp_dtype)
                if amp_dtype is not None else contextlib.nullcontext())
         with amp:
-            if chunk_size is not None:
-                y = stream_forward(model, x, mask, chunk_size=chunk_size, device=device,
-                                   group=None if cp is None else cp.group)
-            else:
-                y = model(x.to(device), None if mask is None else mask.to(device))
+            y = predict_tokens(model, batch, device=device, chunk_size=chunk_size,
+                               group=None if cp is None else cp.group)
         y = y.float().cpu()
         if cp is not None:
-            y = cp.gather(y.to(device)).cpu()
             mask = None if mask_SN is None else torch.from_numpy(
                 np.asarray(mask_SN[start:start + batch_size], dtype=bool))
         y = y_norm.decode(y)

@@ -1,0 +1,455 @@
+"""The one experiment engine: a study -> claimed points -> train a point -> events.
+
+A :class:`Study` is a list of :class:`Point` s, each a complete run config (the grid of
+``flarepp sweep``, the models x datasets x seeds of ``flarepp compare``, ...), plus the
+report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its directory holds
+
+* ``study.json``, written once by :func:`create_study` under an exclusive lock, with every
+  point's ``data_root`` resolved to an absolute path: two different studies started at the
+  same instant on one directory cannot both be accepted (the second is refused, naming
+  what differs), and a process joining from another working directory trains on the same
+  data;
+* ``runs/<point>/``, one run directory of the :class:`~flarepp.train.Trainer` per point;
+* ``claims/<point>/.lock``: a process works on a point only while it holds this
+  :class:`~flarepp.storage.rundir.RunLock` (released by the kernel however the process
+  ends), so several processes may share one study and a killed one's point is taken over;
+* ``events.jsonl``: who started, resumed, finished, failed or hit an error on which point.
+
+One rule for "finished with this config" (:func:`point_state`): the run directory holds
+``metrics.json``, its stored config computes what the point's config computes (runtime
+fields aside) and its checkpoint's data fingerprint equals that of the data at the point's
+``data_root`` now (:mod:`flarepp.data.fingerprint`); a finished run of another config is an
+error, never a stale table entry; a finished run of other data is not reused.
+
+One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
+is final -- ``failed.json`` records it, the point is not retried, the report shows it.
+Anything else (a full disk, a locked run directory, other data at the path, CUDA out of
+memory, a bug) is recorded as an ``error`` event and leaves the point resumable from its
+checkpoints: the next run of the study retries it once the cause is fixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from flarepp.io import atomic_write_json
+from flarepp.storage.config import RunConfig, apply_overrides
+
+STUDY_NAME = "study.json"
+EVENTS_NAME = "events.jsonl"
+FAILED_NAME = "failed.json"
+COST_NAME = "cost.json"
+FORMAT = 1
+
+
+class StudyConflict(ValueError):
+    """The directory holds another study, or a run of another config."""
+
+
+class StudyInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the study after a step; rerunning it continues."""
+
+    def __init__(self, signum: int, point: str, continue_with: str) -> None:
+        import signal
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} while training {point}; "
+                         f"its state is checkpointed: continue with `{continue_with}`")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a study: its name (the run directory under ``runs/``), its complete
+    config, and the labels its reports group by (axis values, model, dataset, seed...)."""
+
+    name: str
+    config: RunConfig
+    labels: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "labels": self.labels, "config": self.config.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Point":
+        return cls(d["name"], RunConfig.from_dict(d["config"]), dict(d["labels"]))
+
+
+@dataclass
+class Study:
+    """What a study directory holds (module docstring). ``kind`` names the command that
+    made it; ``reports`` the report plug-ins; ``info`` facts the reports state (read from
+    the data when the study was made); ``continue_with`` the command that continues it;
+    ``timing_epochs`` > 0 gives every point a separate timing run first (Figure 5's cost)."""
+
+    kind: str
+    points: list[Point]
+    reports: list[str]
+    continue_with: str
+    info: dict[str, Any] = field(default_factory=dict)
+    timing_epochs: int = 0
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.points]
+        if not names:
+            raise ValueError("a study needs at least one point")
+        if len(set(names)) != len(names):
+            raise ValueError(f"repeated point names in {names}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "kind": self.kind, "reports": self.reports,
+                "continue_with": self.continue_with, "info": self.info,
+                "timing_epochs": self.timing_epochs,
+                "points": [p.to_dict() for p in self.points]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Study":
+        return cls(d["kind"], [Point.from_dict(p) for p in d["points"]], list(d["reports"]),
+                   d["continue_with"], dict(d.get("info", {})), int(d.get("timing_epochs", 0)))
+
+    def identity(self) -> dict[str, Any]:
+        """What the study computes: its points' names, labels and config identities (runtime
+        fields, facts and messages aside)."""
+        return json.loads(json.dumps({
+            "kind": self.kind, "timing_epochs": self.timing_epochs,
+            "points": [[p.name, p.labels, p.config.identity()] for p in self.points]}))
+
+
+def resolve_paths(study: Study) -> Study:
+    """Every point's ``data_root`` as an absolute path (relative to this process's cwd)."""
+    points = [dataclasses.replace(p, config=dataclasses.replace(
+        p.config, data_root=str(Path(p.config.data_root).expanduser().resolve())))
+              for p in study.points]
+    return dataclasses.replace(study, points=points)
+
+
+@contextlib.contextmanager
+def _creation_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive, blocking lock on ``out_dir/.study.lock`` (held for milliseconds)."""
+    fd = os.open(out_dir / ".study.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def create_study(out_dir: str | Path, study: Study) -> Study:
+    """The study of ``out_dir``: ``study`` (paths resolved) written there if the directory
+    holds none, else the stored one when it computes the same; another is refused."""
+    out_dir = Path(out_dir)
+    study = resolve_paths(study)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _creation_lock(out_dir):
+        path = out_dir / STUDY_NAME
+        if not path.exists():
+            atomic_write_json(path, study.to_dict())
+            return study
+        stored = Study.from_dict(json.loads(path.read_text()))
+    if stored.identity() != study.identity():
+        raise StudyConflict(f"{str(out_dir)!r} holds another study ({_difference(stored, study)});"
+                            f" continue it with `{stored.continue_with}` or choose another "
+                            "--out")
+    return stored
+
+
+def _difference(stored: Study, mine: Study) -> str:
+    if stored.kind != mine.kind:
+        return f"made by `{stored.continue_with}`"
+    old = {p.name: p for p in stored.points}
+    new = {p.name: p for p in mine.points}
+    if set(old) != set(new):
+        extra, missing = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        return (f"points {extra[:3]} are new" if extra else "") + \
+            (", " if extra and missing else "") + (f"points {missing[:3]} are not asked for"
+                                                    if missing else "")
+    for name, point in new.items():
+        a, b = old[name].config.identity(), point.config.identity()
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if keys:
+            return f"point {name} has a different config: its {', '.join(keys)} differ"
+    return "other labels or timing runs"
+
+
+def open_study(out_dir: str | Path) -> Study:
+    path = Path(out_dir) / STUDY_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist: no study was started in "
+                                f"{str(out_dir)!r}")
+    return Study.from_dict(json.loads(path.read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# events
+
+def record_event(out_dir: Path, point: str, event: str, **extra: Any) -> None:
+    """Append one line to ``events.jsonl`` (one ``write`` of an ``O_APPEND`` file: lines of
+    several processes never interleave). A disk too full for the line is said on stderr."""
+    record = {"point": point, "event": event, "pid": os.getpid(),
+              "host": socket.gethostname(), "time": time.time(), **extra}
+    try:
+        fd = os.open(out_dir / EVENTS_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as err:
+        print(f"could not record event {record} in {out_dir / EVENTS_NAME}: {err}",
+              file=sys.stderr)
+
+
+def read_events(out_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / EVENTS_NAME
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line cut short by a full disk
+            out.append(json.loads(line))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# "finished with this config"
+
+def run_dir(out_dir: str | Path, point: Point | str) -> Path:
+    return Path(out_dir) / "runs" / (point if isinstance(point, str) else point.name)
+
+
+@dataclass
+class PointState:
+    """``status``: ``done``, ``failed`` (numerically, final) or ``pending``; ``error``: why
+    a failed point failed, or why a finished run is not reused."""
+
+    status: str
+    metrics: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def read_failure(directory: Path) -> dict[str, Any] | None:
+    """The final failure recorded in ``directory`` (``failed.json``), or None. Only a
+    numerical failure is final; a ``failed.json`` an earlier flarepp wrote for any other
+    error (a full disk, a locked directory) is not, and the point is retried."""
+    path = directory / FAILED_NAME
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return record if record.get("type", "FloatingPointError") == "FloatingPointError" else None
+
+
+class DataFingerprints:
+    """The fingerprint of the data each config names, computed once per data set."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, config: RunConfig) -> dict[str, Any]:
+        key = json.dumps([config.task, config.dataset, config.dataset_options,
+                          config.data_root], sort_keys=True, default=str)
+        if key not in self._cache:
+            from flarepp.tasks import build_task
+            self._cache[key] = build_task(config, config.data_root).data_identity()
+        return self._cache[key]
+
+
+def stored_fingerprint(directory: Path) -> dict[str, Any] | None:
+    """The data fingerprint stored in a run's newest checkpoint (None without one)."""
+    from flarepp.storage.checkpoint import checkpoints_newest_first, read_checkpoint
+    found = checkpoints_newest_first(directory)
+    if not found:
+        return None
+    return read_checkpoint(found[0]).get("data", {}).get("identity") or {}
+
+
+def point_state(out_dir: Path, point: Point,
+                fingerprint: Callable[[RunConfig], dict[str, Any]] | None = None) -> PointState:
+    """Whether ``point`` is finished (module docstring); ``fingerprint`` gives the current
+    data's (without it the data is not checked: reports read state without loading data)."""
+    directory = run_dir(out_dir, point)
+    metrics_path = directory / "metrics.json"
+    if metrics_path.is_file():
+        stored = RunConfig.from_dict(json.loads((directory / "config.json").read_text()))
+        a, b = stored.identity(), point.config.identity()
+        if a != b:
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            raise StudyConflict(f"{str(directory)!r} holds a finished run of a different "
+                                f"config (its {', '.join(keys)} differ); choose another --out")
+        metrics = json.loads(metrics_path.read_text())
+        if fingerprint is None:
+            return PointState("done", metrics)
+        from flarepp.data.fingerprint import DataMismatch, check_same_data
+        stored_data = stored_fingerprint(directory)
+        if stored_data is None:
+            return PointState("pending", error="the finished run has no checkpoint to check "
+                                               "its data against")
+        if stored_data:
+            try:
+                check_same_data(stored_data, fingerprint(point.config), what="reuse")
+            except DataMismatch as err:
+                return PointState("pending", error=str(err))
+        return PointState("done", metrics)
+    failure = read_failure(directory)
+    if failure is not None:
+        return PointState("failed", error=failure["error"])
+    return PointState("pending")
+
+
+# ---------------------------------------------------------------------------------------------
+# train a point
+
+def environment_errors() -> tuple[type[BaseException], ...]:
+    """Errors that have nothing to do with the numbers: they leave a point resumable."""
+    import torch
+
+    from flarepp.data.fingerprint import DataMismatch
+    from flarepp.storage.checkpoint import CheckpointError
+    from flarepp.storage.rundir import RunLocked
+    return (OSError, RunLocked, DataMismatch, CheckpointError, torch.OutOfMemoryError)
+
+
+def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
+    """A separate timing run (paper Sec. D.4): ``epochs`` training epochs of ``config`` from
+    scratch in a temporary directory; the last one's wall time (data loading included) and
+    this process's CPU time over it. Nothing is evaluated or kept."""
+    import tempfile
+
+    import torch
+
+    from flarepp.train import Trainer
+    with tempfile.TemporaryDirectory(prefix="flarepp-timing-") as tmp:
+        # the schedule must last the timing epochs (a run of fewer epochs is timed too)
+        timed = dataclasses.replace(config, epochs=max(config.epochs, epochs))
+        trainer = Trainer(timed, Path(tmp) / "run", progress=False)
+        try:
+            for _ in range(epochs):
+                wall, cpu = time.perf_counter(), time.process_time()
+                trainer.train_epoch()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        finally:
+            trainer.close()
+    return {"epoch_seconds": wall, "epoch_cpu_seconds": cpu, "timing_epochs": epochs,
+            "device": str(trainer.device), "threads": torch.get_num_threads()}
+
+
+def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
+                log: Callable[[str], None], tag: str) -> str:
+    """Time (if the study asks) and train or resume one claimed point; returns ``finished``,
+    ``failed`` (numerically: final, ``failed.json``) or ``error`` (resumable; an event)."""
+    from flarepp.train import Trainer, latest_checkpoint
+    from flarepp.train.loop import TrainingInterrupted
+    directory = run_dir(out_dir, point)
+    try:
+        if study.timing_epochs and not (directory / COST_NAME).is_file():
+            cost = time_epoch(config, epochs=study.timing_epochs)
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(directory / COST_NAME, cost)
+            record_event(out_dir, point.name, "timed", **cost)
+            log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
+                f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
+        resume = latest_checkpoint(directory) is not None
+        record_event(out_dir, point.name, "resume" if resume else "start")
+        log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
+        metrics = Trainer(config, directory, resume=resume, progress=False).fit()
+    except FloatingPointError as err:
+        atomic_write_json(directory / FAILED_NAME, {"error": str(err),
+                                                    "type": type(err).__name__})
+        record_event(out_dir, point.name, "fail", error=str(err))
+        log(f"{tag}: failed (final, not retried): {err}")
+        return "failed"
+    except TrainingInterrupted as err:
+        record_event(out_dir, point.name, "interrupt", signal=err.signum)
+        raise StudyInterrupted(err.signum, point.name, study.continue_with) from None
+    except Exception as err:  # recorded, resumable: retried when the study runs again
+        kind = "environment" if isinstance(err, environment_errors()) else "unexpected"
+        record_event(out_dir, point.name, "error", error=f"{type(err).__name__}: {err}",
+                     kind=kind)
+        log(f"{tag}: {kind} error, left resumable (retried on the next run): "
+            f"{type(err).__name__}: {err}")
+        return "error"
+    from flarepp.tasks import TASKS
+    headline = f"test_{TASKS.get(config.task).headline}"
+    record_event(out_dir, point.name, "finish", **{headline: metrics[headline]})
+    log(f"{tag}: {headline} {metrics[headline]:.4g}")
+    return "finished"
+
+
+def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
+              log: Callable[[str], None] = print) -> dict[str, list[str]]:
+    """Train every point of ``study`` that is neither finished nor held by another process.
+
+    ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
+    only. Returns this process's point names by outcome: ``finished``, ``failed``,
+    ``error`` (left resumable), ``skipped`` (held by another process), ``reused``."""
+    from flarepp.storage.config import RUNTIME_FIELDS
+    from flarepp.storage.rundir import RunLock, RunLocked
+    for item in runtime or []:
+        if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
+            raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
+                             "may differ between the processes of a study")
+    out_dir = Path(out_dir)
+    fingerprints = DataFingerprints()
+    done: dict[str, list[str]] = {k: [] for k in ("finished", "failed", "error", "skipped",
+                                                   "reused")}
+
+    def state(point: Point, tag: str) -> PointState | None:
+        try:
+            return point_state(out_dir, point, fingerprints)
+        except StudyConflict:
+            raise
+        except Exception as err:  # the data cannot be read: the same policy as training
+            record_event(out_dir, point.name, "error", error=f"{type(err).__name__}: {err}",
+                         kind="environment" if isinstance(err, environment_errors())
+                         else "unexpected")
+            log(f"{tag}: cannot check its data, left for the next run: "
+                f"{type(err).__name__}: {err}")
+            done["error"].append(point.name)
+            return None
+
+    for i, point in enumerate(study.points):
+        tag = f"[{i + 1}/{len(study.points)}] {point.name}"
+        now = state(point, tag)
+        if now is None:
+            continue
+        if now.status == "failed":
+            log(f"{tag}: failed before (final, not retried): {now.error}")
+            continue
+        if now.status == "done":
+            done["reused"].append(point.name)
+            continue
+        claim = RunLock(out_dir / "claims" / point.name)
+        try:
+            claim.acquire()
+        except RunLocked:
+            done["skipped"].append(point.name)
+            continue
+        try:
+            now = state(point, tag)  # another process may have finished it meanwhile
+            if now is None or now.status != "pending":
+                continue
+            if now.error:
+                log(f"{tag}: not reused: {now.error}")
+            config = apply_overrides(point.config, runtime) if runtime else point.config
+            done[train_point(study, out_dir, point, config, log, tag)].append(point.name)
+        finally:
+            claim.release()
+    return done
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+__all__ = ["DataFingerprints", "Point", "PointState", "Study", "StudyConflict",
+           "StudyInterrupted", "create_study", "open_study", "point_state", "read_events",
+           "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
+           "train_point"]
