@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flarepp
-from flarepp.mixers.causal import (LatentState, _prepare, causal_flare, merge_states,
-                                   online_softmax_step)
+from flarepp.ops.causal import (LatentState, _prepare, causal_flare, merge_states,
+                                online_softmax_step)
 from flarepp.models.causal_lm import generate
 from flarepp.ops import AttentionBackend, merge_partials
 from reference import (explicit_causal_routing, reference_causal_mixer)

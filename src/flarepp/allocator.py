@@ -4,9 +4,9 @@ By default glibc's malloc serves every allocation above its mmap threshold (adap
 most 32 MiB on 64-bit Linux) with a fresh ``mmap`` and unmaps it when it is freed, and it
 returns the free top of its heap to the kernel above 128 KiB (``mallopt(3)``). A training
 step allocates and frees the same large activations every step, so every step faults in and
-zeroes its pages again: measured on the 2-core development machine at 64K tokens, 730K-930K
-page faults per step, and a FLARE++ step of 7.7 s against 4.8 s with freed memory kept.
-PyTorch's CUDA caching allocator keeps freed device memory for the same reason.
+zeroes its pages again (page faults per step and the step times with and without this
+policy are measured in the README's allocator section). PyTorch's CUDA caching allocator
+keeps freed device memory for the same reason.
 
 :func:`retain_freed_memory` tells glibc, in the running process, through ``mallopt``:
 ``M_MMAP_MAX = 0`` (no mmap'd chunks: large blocks come from the heap and are reused after
@@ -16,9 +16,8 @@ the interpreter starts, so they would need a re-exec of every command and a libr
 machines have; ``mallopt`` needs nothing installed and acts at once.
 
 The cost is peak memory: freed memory stays in the process, so its resident set stays at its
-high-water mark, heap fragmentation included, instead of falling between steps (measured
-at 64K tokens on 2 CPU cores: 26-30% less CPU time per step for 29-34% more peak memory;
-figures in the README).
+high-water mark, heap fragmentation included, instead of falling between steps (CPU time
+saved per step against peak memory added: the README's allocator section).
 
 ``flarepp train``, ``eval``, ``infer``, ``bench``, ``demo`` and ``compare`` apply
 :func:`apply_policy` at start (:func:`flarepp.cli.main`); the benchmark's worker processes

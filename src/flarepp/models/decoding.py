@@ -6,7 +6,7 @@ D head width.
 
 Per block, the decoding state after L tokens is ``B H M (D + 2)`` numbers for causal FLARE
 (running maximum, denominator and weighted value sum per latent,
-:class:`~flarepp.mixers.causal.LatentState`; twice that for causal FLARE++) whatever L,
+:class:`~flarepp.ops.causal.LatentState`; twice that for causal FLARE++) whatever L,
 and ``2 B H L D`` numbers (keys and values) plus L validity flags for causal attention's
 KV cache (:class:`~flarepp.mixers.causal.KVCache`). A FLARE step costs ``O(H M D)``, an
 attention step ``O(H L D)``.

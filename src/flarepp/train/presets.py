@@ -50,7 +50,7 @@ for _name, _row in TABLE8.items():
 # With ~1000 optimizer steps in all, the EMA decay is 0.99 (0.999 would still weigh the
 # initial weights by ~0.4 at the end) and the peak learning rate 3e-3.
 _TINY = {
-    # ~3 minutes on 2 CPU cores; measured 5.8% test relative L2 (see the issue notes).
+    # Minutes on 2 CPU cores; its measured errors are in docs/results.md.
     "darcy-tiny": dict(dataset="darcy", dataset_options=dict(resolution=22, n_train=200,
                                                              n_test=100),
                        model=dict(dim=64, heads=4, blocks=3, latents=32), epochs=20,
