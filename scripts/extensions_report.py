@@ -1,8 +1,11 @@
 """Tables and figures of docs/extensions.md from the runs of the extension scripts.
 
-Reads ``runs/extensions/{lm,rollout,bench,rank}`` (written by ``scripts/lm_tiny_runs.sh``,
-``scripts/rollout_runs.sh``, ``flarepp bench generate --json runs/extensions/bench/
-generate.json`` and ``scripts/rank_growth_darcy.py``), prints Markdown tables and writes
+Reads ``runs/extensions/{lm,rollout,bench,rank}`` (the studies of ``flarepp sweep lm-tiny
+--grid preset=lm-tiny,lm-tiny-attention,lm-tiny-flarepp seed=0,1,2 --out
+runs/extensions/lm`` and ``flarepp sweep rollout-tiny --grid preset=rollout-tiny,
+rollout-tiny-concat,rollout-tiny-adaln seed=0,1,2 --out runs/extensions/rollout``, then
+``flarepp bench generate --json runs/extensions/bench/generate.json`` and
+``scripts/rank_growth_darcy.py``), prints Markdown tables and writes
 ``docs/figures/rollout_error_by_step.png`` and ``docs/figures/rank_growth.png``.
 
     .venv/bin/python scripts/extensions_report.py [--runs runs/extensions] [--figures docs/figures]
@@ -24,7 +27,14 @@ ROLLOUT = {"rollout-tiny": "Cross FLARE", "rollout-tiny-concat": "concat inputs"
 
 
 def _runs(folder: Path, preset: str) -> list[Path]:
-    return sorted(p for p in folder.glob(f"{preset}-s*") if (p / "metrics.json").is_file())
+    """The finished runs of ``preset`` in the study of ``folder`` (seed order)."""
+    from flarepp.experiments.engine import run_dir
+    from flarepp.experiments.reports import collect
+    if not (folder / "study.json").is_file():
+        return []
+    _, rows = collect(folder)
+    return [run_dir(folder, r["point"]) for r in rows
+            if r["status"] == "done" and r["preset"] == preset]
 
 
 def _mean_std(values: list[float], digits: int = 3) -> str:

@@ -85,15 +85,27 @@ def _pct(mean: float, std: float) -> str:
     return f"{100 * mean:.2f} ± {100 * std:.2f}"
 
 
+def seed_table(directory: Path) -> tuple[list[dict], list[dict]]:
+    """The sweep's rows, and per combination of its grid's axes other than the seed the
+    mean and sample std over seeds of the test and train relative L2 (Table 11)."""
+    from flarepp.experiments.reports import aggregate, collect
+    study, rows = collect(directory)
+    keys = [k for k in study.points[0].labels if k != "seed"]
+    table = []
+    for group in aggregate(rows, keys + ["sdpa_scale"]):
+        test, train = group.stats("value"), group.stats("train_value")
+        table.append({**group.key, "seeds": test[2], "test_mean": test[0], "test_std": test[1],
+                      "train_mean": train[0], "train_std": train[1]})
+    return rows, table
+
+
 def protocol_section(out: Path) -> list[str]:
-    from flarepp.experiments.sweep import collect_results, seed_table
     tables = {}
     for name in ("protocol-legacy", "protocol-reference"):
-        if not (out / name / "sweep.json").exists():
+        if not (out / name / "study.json").exists():
             return []
-        spec, rows = collect_results(out / name)
         tables[name] = {(t["model.mixer"], t["sdpa_scale"]): t
-                        for t in seed_table(rows, [k for k, _ in spec.axes])}
+                        for t in seed_table(out / name)[1]}
     keys = sorted(set(tables["protocol-legacy"]) | set(tables["protocol-reference"]))
     lines = ["## The training protocol (Darcy, `darcy-tiny`)", "",
              "Test (train) relative L2 error in %, mean ± sample standard deviation over "
@@ -142,11 +154,9 @@ def protocol_findings(tables: dict) -> list[str]:
 
 
 def mixer_section(out: Path, study: Study, figures: Path) -> list[str]:
-    from flarepp.experiments.sweep import collect_results, seed_table
-    if not (out / study.name / "sweep.json").exists():
+    if not (out / study.name / "study.json").exists():
         return []
-    spec, rows = collect_results(out / study.name)
-    table = seed_table(rows, [k for k, _ in spec.axes])
+    rows, table = seed_table(out / study.name)
     done = sum(r["status"] == "done" for r in rows)
     sets = "".join(f" --set {s}" for s in study.sets)
     lines = [f"## {study.title}: FLARE, FLARE++, simplified FLARE++", "",
@@ -170,8 +180,8 @@ def mixer_section(out: Path, study: Study, figures: Path) -> list[str]:
         lines.append(f"- B = {depth}: lowest mean test error {best} "
                      f"({100 * errs[best]:.2f}%){rel}.")
     stuck = [r["point"] for r in rows
-             if r["status"] == "done" and r["train_rel_l2"] is not None
-             and float(r["train_rel_l2"]) >= 0.5]
+             if r["status"] == "done" and r["train_value"] is not None
+             and float(r["train_value"]) >= 0.5]
     if stuck:
         lines.append(f"- {len(stuck)} of {done} runs ended with a training error of 50% or "
                      f"more (they did not fit the training data): "

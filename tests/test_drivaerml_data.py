@@ -197,7 +197,7 @@ def test_reader_returns_memory_mapped_centres_normals_and_fields(two_cars):
     a cache that is not memory-mapped."""
     root, split, written = two_cars
     surfaces = DrivAerMLSurfaces(root, split_file=split)
-    assert surfaces.runs("train") == ["run_3", "run_8"] and surfaces.runs("test") == ["run_10"]
+    assert surfaces.cars("train") == ["run_3", "run_8"] and surfaces.cars("test") == ["run_10"]
     surfaces.check_layout()
     for run in (3, 8, 10):
         car = surfaces.load(f"run_{run}")

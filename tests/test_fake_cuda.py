@@ -182,8 +182,7 @@ def _surrogate(name, precision):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("name", MIXERS.names())
 def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
-    """The surrogate around each registered mixer, built on the CPU and moved to CUDA,
-    forward and backward under CUDA autocast (fp32: none) with a padding mask: output on
+    """The surrogate around each registered mixer, built on CUDA, forward and backward under CUDA autocast (fp32: none) with a padding mask: output on
     CUDA in the autocast dtype's reach, every parameter gets a CUDA float32 gradient, and
     every efficient-attention call keeps the kernel's rules. A failure here is a
     CUDA-only shape, dtype, device or autocast defect in that mixer."""
@@ -191,8 +190,8 @@ def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
         pytest.skip(VALUE_DEPENDENT[name])
     dtype = PRECISIONS[precision]
     with fake_cuda.fake_cuda(), EfficientAttentionRules():
-        model, masks = _surrogate(name, precision)
-        model = model.to("cuda")
+        with torch.device("cuda"):
+            model, masks = _surrogate(name, precision)
         x = torch.randn(2, 40, 3, device="cuda")
         mask = torch.ones(2, 40, dtype=torch.bool, device="cuda") if masks else None
         with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):

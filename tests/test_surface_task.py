@@ -74,7 +74,7 @@ def cell_count(root: str, run: str) -> int:
 
 def hand_normalisation(root: str, task):
     """The training split's bounding box and per-channel mean and std, in float64."""
-    train = [raw_surface(root, r) for r in task.data.runs("train")]
+    train = [raw_surface(root, r) for r in task.data.cars("train")]
     centres = np.concatenate([c for c, _, _ in train])
     fields = np.concatenate([f for _, _, f in train])
     low, high = centres.min(0), centres.max(0)
@@ -94,7 +94,7 @@ def test_inputs_targets_loss_and_gradient_match_float64(data):
     count. A failure points to the normalisation, the subset, the mask or the x 100."""
     task = build_task(config(data), data)
     inputs, targets = hand_normalisation(data, task)
-    run = task.data.runs("train")[1]
+    run = task.data.cars("train")[1]
     centres, normals, fields = raw_surface(data, run)
     item = task.get("train", 1, seed=11, training=True)
     cells = subset_cells(len(centres), STEP_CELLS, 11)
@@ -154,7 +154,7 @@ def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     metrics, records = Engine(task, torch.device("cpu"), "fp32").evaluate(
         model, "test", task.eval_batch_size())
     per_car = []
-    for run in task.data.runs("test"):
+    for run in task.data.cars("test"):
         centres, normals, fields = raw_surface(data, run)
         x = torch.from_numpy(inputs(centres, normals).astype(np.float32))[None]
         with torch.no_grad():
@@ -165,7 +165,7 @@ def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     assert metrics["per_sample"] == pytest.approx(per_car.mean(1).tolist(), rel=1e-4)
     assert list(metrics["nmse_channels"].values()) == pytest.approx(per_car.mean(0).tolist(),
                                                                     rel=1e-4)
-    assert metrics["runs"] == task.data.runs("test")
+    assert metrics["runs"] == task.data.cars("test")
     assert sorted(records) == ["cells", "index", "sse"] and records["sse"].shape == (2, 4)
 
 
@@ -190,7 +190,7 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
     run that saved another car), and the Figure 13-14 pictures and curves drawn from the run
     directory."""
     from flarepp.cli import main
-    from flarepp.inference.surface import predict_run_case
+    from flarepp.inference.surface import predict_car
     from flarepp.plots3d import plot_surface_run
     out = tmp_path / "run"
     metrics = Trainer(config(data), out, progress=False).fit()
@@ -222,7 +222,7 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
                                    rtol=1e-4, atol=1e-3)
 
     # another run's figures predict this car again from the checkpoint: the same numbers
-    again, reference, _ = predict_run_case(out, lower_median["run"], chunk_size=500,
+    again, reference, _ = predict_car(out, lower_median["run"], chunk_size=500,
                                            device="cpu")
     np.testing.assert_allclose(again, pred, rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(reference, truth)

@@ -77,3 +77,17 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def available_memory(device: torch.device | str = HOST) -> int:
+    """Bytes a new allocation may take on ``device``: free device memory on CUDA, the host's
+    ``MemAvailable`` (free memory plus reclaimable caches) on Linux, free pages elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

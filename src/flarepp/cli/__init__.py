@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     except runtime as err:
         print(f"flarepp {args.command}: error: {_sentence(err)}", file=sys.stderr)
         return 1
+    except MemoryError as err:  # numpy's message says how much one allocation needed
+        print(f"flarepp {args.command}: error: out of memory"
+              + (f": {err}" if str(err) else ""), file=sys.stderr)
+        return 1
     except (CLIError, ValueError) as err:  # bad arguments, names or config values
         print(f"flarepp {args.command}: error: {_sentence(err)}", file=sys.stderr)
         return 2

@@ -23,6 +23,14 @@ def _make(args: argparse.Namespace) -> int:
                           seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
     except (ModuleNotFoundError, FileExistsError) as err:
         raise CLIError(str(err)) from err
+    except MemoryError as err:
+        from flarepp.device import available_memory
+        need = getattr(err, "_total_size", None)   # numpy's _ArrayMemoryError knows it
+        what = (f"an array of {need / 2**30:.1f} GiB" if need
+                else "more memory than is available")
+        raise MemoryError(f"{args.dataset} at --resolution {resolution} needs {what}, and "
+                          f"{available_memory() / 2**30:.1f} GiB is available; choose a "
+                          "smaller --resolution (or fewer --train/--test samples)") from None
     for path in paths:
         print(f"wrote {path}")
     if args.dataset in NEXT_STEP:

@@ -27,7 +27,7 @@ def _prepare(args: argparse.Namespace) -> int:
     splits = ["train", args.test_split]
     data.surfaces.prepare(splits, progress=not args.quiet)
     stats = data.surfaces.statistics("train", progress=not args.quiet)
-    print(f"converted {sum(len(data.surfaces.runs(s)) for s in splits)} runs of {splits} into "
+    print(f"converted {sum(len(data.surfaces.cars(s)) for s in splits)} runs of {splits} into "
           f"{data.surfaces.cache_dir}; training statistics over {stats.n_cells} cells of "
           f"{stats.n_runs} runs: mean {stats.field_mean}, std {stats.field_std}")
     return 0

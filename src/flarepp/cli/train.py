@@ -66,8 +66,12 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
         if not isinstance(stored, dict):
             raise CLIError(f"--config {str(path)!r}: expected a JSON object (a run's "
                            "config.json)")
+        # A run directory's own config.json was stored by a run (an unversioned one trained
+        # the legacy protocol); any other file is a user's, with today's defaults.
+        read = (RunConfig.from_stored if (path.parent / "checkpoints").is_dir()
+                else RunConfig.from_dict)
         try:
-            return check_run_config(apply_overrides(RunConfig.from_dict(stored), overrides))
+            return check_run_config(apply_overrides(read(stored), overrides))
         except ValueError as err:
             raise CLIError(f"--config {str(path)!r}: {err}") from None
     if args.preset is None and not args.data:

@@ -296,11 +296,11 @@ def load_split(path: str | Path | None = None) -> dict[str, list[str]]:
 # one converted surface and the training statistics
 
 @dataclass
-class SurfaceRun:
+class SurfaceCar:
     """One car: ``centres [N, 3]``, unit ``normals [N, 3]`` and ``fields [N, 4]`` = (p_s,
     tau_x, tau_y, tau_z) in m^2/s^2, float32 arrays memory-mapped from the cache."""
 
-    run_id: str
+    car: str
     source: Path
     centres: np.ndarray
     normals: np.ndarray
@@ -354,7 +354,7 @@ class DrivAerMLSurfaces:
     ``cache_dir``: where converted arrays go (default ``root/.flarepp_cache``).
     ``pressure_array``, ``wall_shear_array``: the cell arrays to read.
 
-    ``runs(split)`` lists run ids, ``load(run)`` returns a ``SurfaceRun`` of memory-mapped
+    ``runs(split)`` lists run ids, ``load(run)`` returns a ``SurfaceCar`` of memory-mapped
     arrays (converting the ``.vtp`` on first use), ``statistics()`` the training-split
     statistics, ``polygons(run)`` the surface itself for pictures.
     """
@@ -373,17 +373,17 @@ class DrivAerMLSurfaces:
 
     # -- layout ---------------------------------------------------------------------------
 
-    def runs(self, split: str = "train") -> list[str]:
+    def cars(self, split: str = "train") -> list[str]:
         if split not in self.split:
             raise ValueError(f"unknown split {split!r}; known splits: {list(self.split)}")
         return list(self.split[split])
 
-    def vtp_path(self, run_id: str) -> Path:
+    def vtp_path(self, car: str) -> Path:
         """``root/run_<i>/boundary_<i>.vtp``; ``DataError`` when the run or file is missing."""
-        match = RUN_ID.fullmatch(run_id)
+        match = RUN_ID.fullmatch(car)
         if match is None:
-            raise DataError(f"{run_id!r} is not a run id 'run_<i>'")
-        run_dir = self.root / run_id
+            raise DataError(f"{car!r} is not a run id 'run_<i>'")
+        run_dir = self.root / car
         if not run_dir.is_dir():
             raise DataError(f"{run_dir}: run directory is missing (listed in "
                             f"{self.split_file})")
@@ -394,7 +394,7 @@ class DrivAerMLSurfaces:
 
     def check_layout(self, splits: Sequence[str] = ("train", "test")) -> None:
         """Raise ``DataError`` listing the runs of ``splits`` whose file is missing."""
-        missing = [run for split in splits for run in self.runs(split)
+        missing = [run for split in splits for run in self.cars(split)
                    if not (self.root / run / f"boundary_{run[4:]}.vtp").is_file()]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -409,19 +409,19 @@ class DrivAerMLSurfaces:
                 "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
                 "arrays": [self.pressure_array, self.wall_shear_array]}
 
-    def load(self, run_id: str) -> SurfaceRun:
+    def load(self, car: str) -> SurfaceCar:
         """The run's arrays, memory-mapped from the cache (converted from the ``.vtp`` first
         when the cache is missing or was made from another version of the file)."""
-        source = self.vtp_path(run_id)
-        folder = self.cache_dir / run_id
+        source = self.vtp_path(car)
+        folder = self.cache_dir / car
         expected = self._meta(source)
         cached = self._open_cache(folder, expected)
         if cached is None:
-            self.convert(run_id)
+            self.convert(car)
             cached = self._open_cache(folder, expected)
             if cached is None:
                 raise DataError(f"{folder}: cache written for {source} cannot be read back")
-        return SurfaceRun(run_id, source, *cached)
+        return SurfaceCar(car, source, *cached)
 
     @staticmethod
     def _open_cache(folder: Path, expected: dict) -> tuple[np.ndarray, ...] | None:
@@ -443,9 +443,9 @@ class DrivAerMLSurfaces:
             arrays.append(array)
         return tuple(arrays)
 
-    def convert(self, run_id: str) -> Path:
-        """Read ``run_id``'s ``.vtp``, check it, and write its cache folder (module docstring)."""
-        source = self.vtp_path(run_id)
+    def convert(self, car: str) -> Path:
+        """Read ``car``'s ``.vtp``, check it, and write its cache folder (module docstring)."""
+        source = self.vtp_path(car)
         meta = self._meta(source)
         surface = read_vtp(source, [self.pressure_array, self.wall_shear_array])
         pressure = surface.cell_arrays[self.pressure_array]
@@ -465,7 +465,7 @@ class DrivAerMLSurfaces:
                 raise DataError(f"{source}: {name} holds {int((~finite).sum())} non-finite "
                                 f"value(s), first at index {int(np.flatnonzero(~finite)[0])}")
         from flarepp.data.generators._io import write_atomically   # the package imports us
-        folder = self.cache_dir / run_id
+        folder = self.cache_dir / car
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "meta.json").unlink(missing_ok=True)   # invalid until rewritten
@@ -490,20 +490,20 @@ class DrivAerMLSurfaces:
 
     def prepare(self, splits: Sequence[str] = ("train", "test"), progress: bool = True) -> None:
         """Convert every run of ``splits`` whose cache is missing or stale."""
-        runs = [run for split in splits for run in self.runs(split)]
+        runs = [run for split in splits for run in self.cars(split)]
         for run in tqdm(runs, desc="convert .vtp", unit="run", disable=not progress):
             self.load(run)
 
-    def polygons(self, run_id: str) -> SurfacePolygons:
+    def polygons(self, car: str) -> SurfacePolygons:
         """The run's surface (points and polygons) with the two field arrays, for pictures."""
-        return read_vtp(self.vtp_path(run_id), [self.pressure_array, self.wall_shear_array])
+        return read_vtp(self.vtp_path(car), [self.pressure_array, self.wall_shear_array])
 
     # -- statistics -----------------------------------------------------------------------
 
     def statistics(self, split: str = "train", progress: bool = True) -> SurfaceStatistics:
         """Statistics of ``split`` (module docstring), cached in ``cache_dir`` under a key of
         the run ids, their source files' size and time and the array names."""
-        runs = self.runs(split)
+        runs = self.cars(split)
         if not runs:
             raise DataError(f"{self.split_file}: split {split!r} lists no runs")
         key = hashlib.sha256(json.dumps(
@@ -521,7 +521,7 @@ class DrivAerMLSurfaces:
 def surface_statistics(surfaces, n_runs: int | None = None,
                        progress: bool = False) -> SurfaceStatistics:
     """Bounding box and per-channel field mean / std over ``surfaces`` (an iterable of
-    ``SurfaceRun``), streaming ``CHUNK_CELLS`` rows at a time in float64."""
+    ``SurfaceCar``), streaming ``CHUNK_CELLS`` rows at a time in float64."""
     lo, hi = np.full(3, np.inf), np.full(3, -np.inf)
     count, mean, m2 = 0, np.zeros(len(FIELD_NAMES)), np.zeros(len(FIELD_NAMES))
     runs = 0

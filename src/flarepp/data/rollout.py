@@ -33,7 +33,7 @@ class RolloutData:
         if self.test.resolution != R or self.test.u.shape[1] != T + 1:
             raise DataError(f"{self.source}: train and test trajectories differ in grid or "
                             f"length: {list(self.train.u.shape)} vs {list(self.test.u.shape)}")
-        if R % self.patches:
+        if self.patches < 1 or R % self.patches:
             raise DataError(f"{self.source}: patches={self.patches} must divide the grid's "
                             f"{R} points per side")
         if not 1 <= self.unroll <= T or not 1 <= self.horizon <= T:

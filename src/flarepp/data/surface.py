@@ -55,19 +55,20 @@ class SurfaceData:
     test_split: str
     cells_per_step: int
 
-    def runs(self, split: str) -> list[str]:
-        """Run ids of the task's ``train`` split or its ``test`` split (``test_split``)."""
+    def cars(self, split: str) -> list[str]:
+        """Car ids (the data set's ``run_<i>`` folders) of the task's ``train`` split or its
+        ``test`` split (``test_split``)."""
         if split == "train":
-            return self.surfaces.runs("train")
+            return self.surfaces.cars("train")
         if split == "test":
-            return self.surfaces.runs(self.test_split)
+            return self.surfaces.cars(self.test_split)
         raise ValueError(f"unknown split {split!r}; the surface task has 'train' and 'test' "
                          f"(the split file's {self.test_split!r})")
 
     def validate(self) -> "SurfaceData":
         """Both splits list runs, and every listed run has its boundary file."""
         for split, name in (("train", "train"), ("test", self.test_split)):
-            if not self.runs(split):
+            if not self.cars(split):
                 raise DataError(f"{self.surfaces.split_file}: split {name!r} lists no runs")
         self.surfaces.check_layout(("train", self.test_split))
         return self

@@ -68,22 +68,22 @@ def write_case_predictions(path: Path, results: Iterable[dict[str, Any]]) -> lis
     return done
 
 
-def predict_run_case(run_dir: Path, run_id: str, *, chunk_size: int | None = None,
+def predict_car(run_dir: Path, car: str, *, chunk_size: int | None = None,
                      device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
-    """``(prediction, reference, .vtp)`` of test car ``run_id`` by a finished run's final EMA
+    """``(prediction, reference, .vtp)`` of test car ``car`` by a finished run's final EMA
     model, in m^2/s^2 (streamed in chunks of ``chunk_size`` cells when given)."""
     from flarepp.inference.batching import to_device
     checkpoint = json.loads((Path(run_dir) / "metrics.json").read_text())["checkpoint"]
     model, task, config, _ = load_for_evaluation(checkpoint, device=device)
-    runs = task.data.runs("test")
-    if run_id not in runs:
-        raise DataError(f"{run_id} is not a test run of {task.data.surfaces.split_file}")
-    index = runs.index(run_id)
+    runs = task.data.cars("test")
+    if car not in runs:
+        raise DataError(f"{car} is not a test run of {task.data.surfaces.split_file}")
+    index = runs.index(car)
     engine = Engine(task, next(model.parameters()).device, config.precision,
                     chunk_size=chunk_size)
     batch = to_device(task.collate([task.get("test", index, index)]), engine.device)
     raw = engine.predict(model, batch)[0].float().cpu().numpy()
-    run = task.data.surfaces.load(run_id)
+    run = task.data.surfaces.load(car)
     return (task.y_norm.decode(raw).astype(np.float32), np.asarray(run.fields, np.float32),
             run.source)
 
@@ -109,11 +109,11 @@ def plot_runs_together(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
             saved = str(case["run"]) == chosen
             pred = case["pred"] if saved else None
         if pred is None:
-            pred, _, _ = predict_run_case(directory, chosen, chunk_size=chunk_size,
+            pred, _, _ = predict_car(directory, chosen, chunk_size=chunk_size,
                                           device=device)
         predictions[label] = pred
     return plot_surface_case(source, truth, predictions, out_dir, case_name=chosen,
                              backend=backend)
 
 
-__all__ = ["plot_runs_together", "predict_cases", "predict_run_case", "write_case_predictions"]
+__all__ = ["plot_runs_together", "predict_cases", "predict_car", "write_case_predictions"]

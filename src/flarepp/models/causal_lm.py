@@ -26,6 +26,7 @@ Shape letters: B batch, N tokens, C width, V vocabulary (256: bytes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -178,33 +179,50 @@ def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-@torch.no_grad()
-def generate(model: CausalLM, prompt_ids: torch.Tensor, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Continue ``prompt_ids [B, N0]`` by ``max_new_tokens`` sampled tokens; ``[B, N0 + n]``.
+def generate_stream(model: CausalLM, prompt_ids: torch.Tensor, max_new_tokens: int,
+                    temperature: float = 1.0, top_k: int | None = None,
+                    generator: torch.Generator | None = None):
+    """Continue ``prompt_ids [B, N0]`` one token at a time: yields ``(token [B], states)``
+    for each of ``max_new_tokens`` new tokens as soon as it is sampled, with the decoding
+    states after it, and keeps nothing else, so a consumer can write each token out and
+    stop at any point (an interrupt) with everything produced so far.
 
     The prompt runs through the parallel form once (:meth:`CausalLM.prefill`), then every
     new token is one recurrent :meth:`CausalLM.step`: ``O(H M D)`` work and state per layer
-    for causal FLARE, whatever the context length. ``temperature = 0`` is greedy decoding
-    (the argmax of the parallel forward's logits at every position); otherwise sampling
-    from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens.
+    for causal FLARE, whatever the context length; a KV cache reserves room for
+    ``N0 + max_new_tokens`` tokens. ``temperature = 0`` is greedy decoding (the argmax of
+    the parallel forward's logits at every position); otherwise sampling from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens.
     """
     if not model.takes_tokens:
         raise ValueError("generate needs a token model (in_dim=None); this one takes features")
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
         raise ValueError(f"prompt_ids must be [B, N0] with N0 >= 1, got {list(prompt_ids.shape)}")
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k <= 0):
-        raise ValueError(f"need max_new_tokens >= 0, temperature >= 0 and top_k > 0, got "
-                         f"{max_new_tokens}, {temperature}, {top_k}")
-    out = [prompt_ids]
+    if not (max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature)) \
+            or (top_k is not None and top_k <= 0):
+        raise ValueError(f"need max_new_tokens >= 0, a finite temperature >= 0 and top_k > 0, "
+                         f"got {max_new_tokens}, {temperature}, {top_k}")
+    return _stream(model, prompt_ids, max_new_tokens, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def _stream(model, prompt_ids, max_new_tokens, temperature, top_k, generator):
     if max_new_tokens == 0:
-        return prompt_ids
+        return
     logits, states = model.prefill(prompt_ids, capacity=prompt_ids.shape[1] + max_new_tokens)
     token = _sample(logits[:, -1], temperature, top_k, generator)
-    out.append(token[:, None])
+    yield token, states
     for _ in range(max_new_tokens - 1):
         logits_t, states = model.step(token, states)
         token = _sample(logits_t, temperature, top_k, generator)
-        out.append(token[:, None])
+        yield token, states
+
+
+def generate(model: CausalLM, prompt_ids: torch.Tensor, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue ``prompt_ids [B, N0]`` by ``max_new_tokens`` sampled tokens; ``[B, N0 + n]``
+    (:func:`generate_stream`, collected)."""
+    out = [prompt_ids] + [token[:, None] for token, _ in generate_stream(
+        model, prompt_ids, max_new_tokens, temperature, top_k, generator)]
     return torch.cat(out, dim=1)

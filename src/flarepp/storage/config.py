@@ -27,12 +27,15 @@ from flarepp.device import PRECISIONS
 from flarepp.validate import require_positive
 
 # How a run executes, not what it computes: a run may resume with other values.
-RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size")
+RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size",
+                  "keep_checkpoints")
 
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 """The format of a stored run config. 1: the configs of runs stored before the version was
 written (they lack it; an absent protocol field means :data:`LEGACY_PROTOCOL`); 2: the
-version is written, and ``config.json`` is laid out in :data:`FILE_SECTIONS`."""
+version is written, and ``config.json`` is laid out in :data:`FILE_SECTIONS`; 3: adds
+``eval_weights`` (a version-1 or -2 config lacks it: those runs reported the EMA weights,
+:data:`ADDED_SINCE`)."""
 
 VERSION_KEY = "config_version"
 
@@ -42,7 +45,7 @@ FILE_SECTIONS: dict[str, tuple[str, ...]] = {
                      "div_factor", "final_div_factor", "grad_clip", "ema_decay",
                      "latent_schedule"),
     "protocol": ("loss", "grad_loss_weight", "input_norm", "weight_decay_groups",
-                 "momentum_cycle", "attn_scale", "precision"),
+                 "momentum_cycle", "attn_scale", "precision", "eval_weights"),
     "runtime": ("device", "compile", "loader_workers", "eval_chunk_size", "checkpoint_every",
                 "eval_every", "plot_cases"),
 }
@@ -51,10 +54,18 @@ FILE_SECTIONS: dict[str, tuple[str, ...]] = {
 
 LEGACY_PROTOCOL: dict[str, Any] = {
     "loss": "mse", "grad_loss_weight": 0.1, "input_norm": "standard",
-    "weight_decay_groups": "all", "momentum_cycle": None, "attn_scale": "sqrt"}
+    "weight_decay_groups": "all", "momentum_cycle": None, "attn_scale": "sqrt",
+    "eval_weights": "ema"}
 """The training protocol of runs stored before these fields existed (MSE of normalised
 outputs, every input channel standardised, weight decay on every parameter, a fixed beta1,
-SDPA scale 1/sqrt(D) for every mixer): a stored config that lacks a field ran with this."""
+SDPA scale 1/sqrt(D) for every mixer, errors reported from the EMA weights): a stored
+config that lacks a field ran with this."""
+
+ADDED_SINCE: dict[int, dict[str, Any]] = {3: {"eval_weights": "ema"}}
+"""Fields a config version added, with the value the runs stored by an earlier version ran
+with: a stored config of version v lacking such a field of a version above v gets it."""
+
+EVAL_WEIGHTS = ("raw", "ema")
 
 REFERENCE_ATTN_SCALE: dict[str, float] = {"flare": 1.0}
 """SDPA scale of ``attn_scale="reference"`` per mixer, where it is not 1/sqrt(D).
@@ -106,7 +117,9 @@ class RunConfig:
     (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``cpu``, ``cuda`` or
     ``cuda:K``; ``loader_workers`` -1 means 2 worker processes on CUDA and none on the CPU
     (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
-    evaluation meshes in chunks of that many points.
+    evaluation meshes in chunks of that many points; ``keep_checkpoints`` K keeps the K
+    newest checkpoints of the run plus the one of the epoch with the best recorded metric
+    (``None`` keeps every one; older ones are deleted only after a newer one is written).
 
     ``latent_schedule`` grows the latent count M during training (rank-adaptive FLARE, the
     talk's Aim 1(a)): ``"16,32@10,64@20"`` starts at M = 16 and grows every FLARE / FLARE++
@@ -147,6 +160,7 @@ class RunConfig:
     loader_workers: int = -1
     eval_chunk_size: int | None = None
     latent_schedule: str | None = None
+    keep_checkpoints: int | None = 3
 
     def __post_init__(self) -> None:
         check_types(self, "run config")
@@ -167,7 +181,17 @@ class RunConfig:
         if not isinstance(self.attn_scale, str) and not self.attn_scale > 0:
             raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
         if self.latent_schedule is not None:
-            self.schedule()  # parses, or raises naming the problem
+            last = self.schedule().milestones[-1][0]  # parses, or raises naming the problem
+            if last >= self.epochs:
+                raise ValueError(f"latent_schedule {self.latent_schedule!r}: the growth at "
+                                 f"epoch {last} never happens in a run of epochs={self.epochs} "
+                                 f"(growth epochs count from 0 and must be below {self.epochs})")
+        if self.loader_workers < -1:
+            raise ValueError(f"loader_workers must be -1 (automatic) or a count >= 0, got "
+                             f"{self.loader_workers}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (the checkpoint to resume "
+                             f"from), or None to keep every one; got {self.keep_checkpoints}")
         self._check_model()
         self._check_dataset()
 

@@ -120,6 +120,13 @@ class RolloutTask(Task):
         if config.model.get("arch") != "conditioned":
             raise ValueError(f"task rollout needs model.arch='conditioned', got "
                              f"{config.model.get('arch')!r}")
+        options = config.dataset_options
+        for key, low in (("patches", 1), ("history", 0), ("unroll", 1), ("horizon", 1),
+                         ("n_train", 1), ("n_test", 1)):
+            value = options.get(key)
+            if value is not None and value < low:
+                raise ValueError(f"dataset_options.{key} must be at least {low} for task "
+                                 f"rollout, got {value}")
 
     def set_statistics(self, stats: dict[str, Any]) -> None:
         self.stats = dict(stats)

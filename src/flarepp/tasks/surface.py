@@ -132,16 +132,16 @@ class SurfaceTask(Task):
                                  f"'reference', got {getattr(config, key)!r}")
 
     # -- data ----------------------------------------------------------------------------
-    def run_id(self, split: str, index: int) -> str:
-        return self.data.runs(split)[index]
+    def car(self, split: str, index: int) -> str:
+        return self.data.cars(split)[index]
 
     def num_samples(self, split: str) -> int:
-        return len(self.data.runs(split))
+        return len(self.data.cars(split))
 
     def get(self, split: str, index: int, seed: int, *, training: bool = False) -> Item:
         """Normalised inputs ``x [n, 6]`` and standardised targets ``y [n, 4]`` of a
         ``cells_per_step`` subset drawn with ``seed`` (training) or of every cell."""
-        run = self.data.surfaces.load(self.run_id(split, index))
+        run = self.data.surfaces.load(self.car(split, index))
         if training:
             cells = subset_cells(run.n_cells, self.data.cells_per_step, seed)
             centres, normals, fields = run.centres[cells], run.normals[cells], run.fields[cells]
@@ -203,7 +203,7 @@ class SurfaceTask(Task):
         error over its cells and the 4 channels; ``nmse_channels`` per channel."""
         per_channel = case_channel_errors(records)
         per_case = per_channel.mean(axis=1)
-        runs = self.data.runs(split)
+        runs = self.data.cars(split)
         return {"nmse": float(per_case.mean()),
                 "nmse_channels": {name: float(v)
                                   for name, v in zip(FIELD_NAMES, per_channel.mean(axis=0))},
@@ -236,7 +236,7 @@ class SurfaceTask(Task):
         mean and std over every cell, in float64): a content fingerprint that costs no pass
         over the cells once the statistics are cached."""
         from flarepp.data.fingerprint import data_fingerprint
-        runs = self.data.runs("train")
+        runs = self.data.cars("train")
         cells = np.array([self.data.surfaces.load(r).n_cells for r in runs], np.int64)
         s = self.statistics
         stats = np.array([*s.bbox_min, *s.bbox_max, *s.field_mean, *s.field_std, s.n_cells],
@@ -267,7 +267,7 @@ class SurfaceTask(Task):
         ``source`` (its ``.vtp``), its ``nmse`` and the channel names."""
         out_dir = Path(out_dir)
         per_channel = case_channel_errors(records)
-        runs = self.data.runs(split)
+        runs = self.data.cars(split)
         cases = [{"run": runs[int(i)], "index": int(i), "cells": int(n),
                   "nmse": float(e.mean()),
                   "nmse_channels": dict(zip(FIELD_NAMES, map(float, e)))}
@@ -283,7 +283,7 @@ class SurfaceTask(Task):
             row = int(np.flatnonzero(records["index"] == index)[0])
             arrays = {"pred": self.y_norm.decode(np.asarray(raw_NO, np.float32))
                       .astype(np.float32),
-                      "truth": np.asarray(run.fields, np.float32), "run": np.asarray(run.run_id),
+                      "truth": np.asarray(run.fields, np.float32), "run": np.asarray(run.car),
                       "source": np.asarray(str(run.source.resolve())),
                       "index": np.int64(index), "nmse": np.float64(cases[row]["nmse"]),
                       "field_names": np.asarray(FIELD_NAMES), "units": np.asarray(FIELD_UNITS)}
@@ -310,10 +310,10 @@ class SurfaceTask(Task):
         surfaces = DrivAerMLSurfaces(
             root, split_file=resolve_split_file(root, options.pop("split_file", None)),
             **options)
-        for run_id in surfaces.runs(split):
-            run = surfaces.load(run_id)
+        for car in surfaces.cars(split):
+            run = surfaces.load(car)
             x = np.concatenate([run.centres, run.normals], axis=1)[None]
-            yield run_id, x, np.asarray(run.fields)[None]
+            yield car, x, np.asarray(run.fields)[None]
 
 
 def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:

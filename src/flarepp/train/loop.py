@@ -430,7 +430,8 @@ class Trainer:
             loss = self.train_epoch()
             self.epoch += 1
             record = {"epoch": self.epoch, "train_loss": loss,
-                      "lr": self.scheduler.get_last_lr()[0], "seconds": self._epoch_seconds}
+                      "lr": self.scheduler.get_last_lr()[0], "seconds": self._epoch_seconds,
+                      "step_losses": list(self.step_losses)}
             if latents is not None:
                 record["latents"] = latents
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:

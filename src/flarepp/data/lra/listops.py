@@ -199,8 +199,15 @@ def tokenize(sources: list[str], *, where: str = "sources") -> TokenSequences:
 
 def read_listops_tsv(path: Path) -> tuple[list[str], np.ndarray]:
     """The ``Source`` strings and ``Target`` labels of one release TSV."""
-    with open(path, newline="", encoding="ascii") as handle:
-        rows = list(csv.reader(handle, delimiter="\t"))
+    try:
+        with open(path, newline="", encoding="ascii") as handle:
+            rows = list(csv.reader(handle, delimiter="\t"))
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start:err.start + 1]
+        raise DataError(f"{path}: byte {err.start} ({bad!r}) is not ASCII; a ListOps TSV "
+                        "holds ASCII text only") from None
+    except csv.Error as err:
+        raise DataError(f"{path}: not a readable TSV ({err})") from None
     if not rows or rows[0] != ["Source", "Target"]:
         raise DataError(f"{path}: expected the header 'Source<TAB>Target', "
                         f"got {rows[0] if rows else 'an empty file'}")
