@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.flarepp-installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup demo test gpu-check clean
+.PHONY: setup demo test test-fast gpu-check clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m flarepp demo
 
+# The whole CPU suite (about 8 minutes on 2 cores).
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not cuda"
+
+# The fast tier: no training runs, no extra processes, nothing over ~1 s (about 1 minute).
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not cuda and not slow"
 
 # Everything that needs CUDA, on one GPU, in at most 8 minutes (scripts/gpu_check.sh).
 # An environment that already imports flarepp and pytest is used as it is (no pip: a GPU

@@ -5,7 +5,9 @@ Reads ``runs/extensions/{lm,rollout,bench,rank}`` (the studies of ``flarepp swee
 runs/extensions/lm`` and ``flarepp sweep rollout-tiny --grid preset=rollout-tiny,
 rollout-tiny-concat,rollout-tiny-adaln seed=0,1,2 --out runs/extensions/rollout``, then
 ``flarepp bench generate --json runs/extensions/bench/generate.json`` and
-``scripts/rank_growth_darcy.py``), prints Markdown tables and writes
+``flarepp sweep darcy-tiny --data DATA --set model.mixer=flare --grid
+latent_schedule="'16','64','16,32@5,64@10'" seed=0,1,2 --out runs/extensions/rank``),
+prints Markdown tables and writes
 ``docs/figures/rollout_error_by_step.png`` and ``docs/figures/rank_growth.png``.
 
     .venv/bin/python scripts/extensions_report.py [--runs runs/extensions] [--figures docs/figures]
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ ROLLOUT = {"rollout-tiny": "Cross FLARE", "rollout-tiny-concat": "concat inputs"
            "rollout-tiny-adaln": "AdaLN-Zero"}
 
 
-def _runs(folder: Path, preset: str) -> list[Path]:
+def _runs(folder: Path, preset: str | None) -> list[Path]:
     """The finished runs of ``preset`` in the study of ``folder`` (seed order)."""
     from flarepp.experiments.engine import run_dir
     from flarepp.experiments.reports import collect
@@ -34,7 +35,7 @@ def _runs(folder: Path, preset: str) -> list[Path]:
         return []
     _, rows = collect(folder)
     return [run_dir(folder, r["point"]) for r in rows
-            if r["status"] == "done" and r["preset"] == preset]
+            if r["status"] == "done" and preset in (None, r.get("preset"))]
 
 
 def _mean_std(values: list[float], digits: int = 3) -> str:
@@ -110,17 +111,57 @@ def bench_table(folder: Path) -> str:
 RANK_THRESHOLDS = (0.15, 0.10, 0.09)
 
 
+VARIANTS = {"16": "fixed-M16", "64": "fixed-M64", "16,32@5,64@10": "grow-16-32-64"}
+
+
+def rank_summary(folder: Path, figures: Path) -> dict:
+    """Per finished run of the rank-growth sweep (``variant-s<seed>``): test error and
+    training seconds per epoch, every optimizer step's loss; writes ``rank_growth.png``
+    (test error against epoch and against seconds; per-step loss around the growths)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    summary = {}
+    for run in _runs(folder, None):
+        config = json.loads((run / "config.json").read_text())
+        variant = VARIANTS.get(config["latent_schedule"], config["latent_schedule"])
+        records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+        errors = [r["test_rel_l2"] for r in records]
+        summary[f"{variant}-s{config['seed']}"] = {
+            "test_rel_l2": errors, "seconds": np.cumsum([r["seconds"] for r in records]).tolist(),
+            "final_test_rel_l2": errors[-1],
+            "steps": [{"epoch": r["epoch"], "loss": loss} for r in records
+                      for loss in r["step_losses"]]}
+    if not summary:
+        return summary
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    colours = dict(zip(VARIANTS.values(), ("C2", "C1", "C0")))
+    for name, run in sorted(summary.items()):
+        style = dict(color=colours.get(name.rsplit("-s", 1)[0], "k"), label=name, lw=0.8)
+        epochs = range(1, len(run["test_rel_l2"]) + 1)
+        a.semilogy(epochs, run["test_rel_l2"], marker="o", ms=2, **style)
+        b.semilogy(run["seconds"], run["test_rel_l2"], marker="o", ms=2, **style)
+        losses = [x["loss"] for x in run["steps"]]
+        c.semilogy(range(1, len(losses) + 1), losses, **{**style, "lw": 0.5})
+    per_epoch = sum(x["epoch"] == 1 for x in next(iter(summary.values()))["steps"])
+    for growth in (5, 10):
+        c.axvline(growth * per_epoch + 0.5, color="k", lw=0.6, ls=":")
+    for ax, xl in ((a, "epoch"), (b, "training seconds (shared CPU)"), (c, "optimizer step")):
+        ax.set_xlabel(xl), ax.grid(alpha=.3), ax.legend(fontsize=8)
+    a.set_ylabel("test relative L2 (EMA)"), c.set_ylabel("training loss per step")
+    figures.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figures / "rank_growth.png", dpi=110)
+    plt.close(fig)
+    return summary
+
+
 def rank_table(folder: Path, figures: Path) -> str:
     """Per variant over seeds: final error, epochs (and seconds) to reach fixed errors, and
     the per-step loss just before and after each growth, next to fixed M = 16 on the same
     seed (the same batches; the two runs are the same model until the first growth)."""
-    path = folder / "summary.json"
-    if not path.is_file():
+    summary = rank_summary(folder, figures)
+    if not summary:
         return "(no rank-growth results)"
-    summary = json.loads(path.read_text())
-    if (folder / "rank_growth.png").is_file():
-        figures.mkdir(parents=True, exist_ok=True)
-        shutil.copy(folder / "rank_growth.png", figures / "rank_growth.png")
     variants: dict[str, list[str]] = {}
     for name in summary:
         variants.setdefault(name.rsplit("-s", 1)[0], []).append(name)
@@ -143,11 +184,9 @@ def rank_table(folder: Path, figures: Path) -> str:
              "first step after | fixed M = 16: the same |", "|---|---|---|---|"]
     for name in sorted(n for n in summary if n.startswith("grow")):
         seed = name.rsplit("-s", 1)[1]
-        fixed = folder / f"fixed-M16-s{seed}" / "steps.jsonl"
-        runs = [folder / name / "steps.jsonl", fixed]
-        if not all(r.is_file() for r in runs):
+        if f"fixed-M16-s{seed}" not in summary:
             continue
-        steps = [[json.loads(x) for x in r.read_text().splitlines()] for r in runs]
+        steps = [summary[n]["steps"] for n in (name, f"fixed-M16-s{seed}")]
         for epoch, what in ((6, "16 -> 32"), (11, "32 -> 64")):
             cells = []
             for run in steps:

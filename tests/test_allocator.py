@@ -41,6 +41,7 @@ def _probe(switch: str | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="the policy acts on glibc's malloc only")
 def test_policy_keeps_a_large_block_in_the_heap_and_the_switch_turns_it_off():
     """Applied (the default): a 64 MiB tensor comes from the heap, not from an mmap, and

@@ -71,6 +71,7 @@ def test_skip_reasons_name_the_limit():
     assert skip_reason(config, est_memory=1.0, est_time=1.0, available=4 * 2 ** 30) is None
 
 
+@pytest.mark.slow
 def test_sweep_in_process_records_and_skips(tmp_path):
     """One measured point (flare, N=256) and one skipped for time: every record has the
     required keys, the measured one a step time, FLOPs and FLOP/s, the skipped one a reason;
@@ -104,7 +105,8 @@ def test_sweep_in_process_records_and_skips(tmp_path):
     assert paths["png"].stat().st_size > 0
 
 
-@pytest.mark.parametrize("retain", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("retain", [True, False])
 def test_cpu_point_in_fresh_interpreter(retain):
     """The default CPU path: the point runs in its own interpreter, whose allocator keeps
     freed memory unless switched off (the record says which, as the worker applied it), and

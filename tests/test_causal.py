@@ -181,6 +181,7 @@ def state_bytes(states):
     return sum(t.numel() * t.element_size() for s in states for t in s.tensors())
 
 
+@pytest.mark.slow
 def test_decoding_state_is_constant_in_length_for_flare_and_linear_for_attention():
     """Measured: the decoding state of every causal FLARE block holds the same number of
     bytes after 1K and 64K tokens (``B H M (D + 2)`` per state), and stays so after a

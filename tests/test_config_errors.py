@@ -17,6 +17,7 @@ TINY = ["epochs=3", "model.dim=8", "model.heads=2", "model.latents=4", "model.bl
         "checkpoint_every=3"]
 
 
+@pytest.mark.slow
 def test_unknown_key_fails_before_data_is_touched(tmp_path):
     """`flarepp train darcy-tiny --set model.latnts=3` exits 2 naming latnts and the valid
     keys, before looking at the data (whose directory here does not exist: had the data
@@ -74,6 +75,7 @@ def test_cli_config_errors_are_sentences(tmp_path, capsys):
     assert "expected a JSON object" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_own_npz_trains_and_config_json_feeds_back(tmp_path, capsys):
     """`flarepp train --data my.npz` uses the npz preset; the run's config.json given to
     `--config` trains the same config again (with --set on top)."""

@@ -164,6 +164,89 @@ def test_context_parallel_two_ranks_share_one_gpu(mixer):
         assert err["output"] < 1e-4 and err["gradient"] < 1e-4, f"rank {rank}: {err}"
 
 
+def _nccl_one_rank(group, mixer: str, n: int) -> dict[str, float]:
+    """The only rank of an NCCL group on cuda:0: the context-parallel backend (its merge's
+    all-reduces, with the shape check on) and DDP (its gradient all-reduce) against the
+    plain model; returns the largest relative errors."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flarepp.distributed import context_parallel
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    assert dist.get_backend(group) == "nccl"
+    model = _tiny_model(mixer).to(dev)
+    x, w, mask = (t.to(dev) for t in _batch(n))
+    y_ref = model(x, mask)
+    grads_ref = torch.autograd.grad((y_ref * w).sum(), list(model.parameters()))
+
+    def errors(y, grads):
+        out = (y - y_ref).abs().max().item() / max(1.0, y_ref.abs().max().item())
+        grad = max((a - b).abs().max().item() / max(1.0, b.abs().max().item())
+                   for a, b in zip(grads, grads_ref))
+        return out, grad
+
+    with context_parallel(model, group, check_shapes=True) as cp:
+        y = model(cp.shard(x), cp.shard(mask))
+        (y * cp.shard(w)).sum().backward()
+        cp.all_reduce_gradients()
+    cp_out, cp_grad = errors(y, [p.grad for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    ddp = DistributedDataParallel(model, device_ids=[0], process_group=group)
+    y = ddp(x, mask)
+    (y * w).sum().backward()
+    ddp_out, ddp_grad = errors(y, [p.grad for p in model.parameters()])
+    return {"cp_output": cp_out, "cp_gradient": cp_grad, "ddp_output": ddp_out,
+            "ddp_gradient": ddp_grad}
+
+
+@pytest.mark.parametrize("mixer", ["flare", "flarepp"])
+def test_one_rank_nccl_group_through_context_parallel_and_ddp(mixer):
+    """A 1-rank NCCL group (the backend `torchrun` jobs get on GPUs, which no CPU test can
+    run) through the context-parallel encoder's merge and through DDP: the same outputs
+    and gradients as the plain model (1e-4 relative). A failure is an NCCL-specific defect:
+    a collective on a non-contiguous or wrong-device buffer, a dtype NCCL rejects."""
+    from flarepp.distributed import run_on_ranks
+    (err,) = run_on_ranks(_nccl_one_rank, 1, mixer, 301, backend="nccl", timeout_s=240,
+                          collective_timeout_s=120)
+    print(f"\n1-rank NCCL {mixer}: " + ", ".join(f"{k} {v:.1e}" for k, v in err.items()))
+    assert all(v < 1e-4 for v in err.values()), err
+
+
+# Largest error of the model output against FP32, relative to max |y_fp32|, at the
+# surrogate below (N = 3000, 4 blocks, RMSNorm). On the CPU's autocast the same models give
+# 1.3e-2 - 3.5e-2 (bf16) and 1.5e-3 - 3.0e-3 (fp16); the bounds leave a factor 3-5.
+MIXED_TOLERANCE = {torch.bfloat16: 1e-1, torch.float16: 1.5e-2}
+
+
+@pytest.mark.parametrize("mixer", ["flare", "flarepp", "attention"])
+def test_mixed_precision_outputs_match_fp32(mixer):
+    """The surrogate under CUDA autocast in bf16 and fp16 against the same weights in FP32
+    on the GPU: outputs within MIXED_TOLERANCE and finite gradients. Printed per mixer and
+    dtype for gpu-check's log."""
+    dev = _device()
+    from flarepp.models import build_model
+    torch.manual_seed(0)
+    model = build_model(mixer=mixer, in_dim=3, out_dim=2, dim=64, heads=4, latents=16,
+                        blocks=4, norm="rmsnorm").to(dev)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3000, 3, generator=g).to(dev)
+    mask = (torch.rand(2, 3000, generator=g) > 0.2).to(dev)
+    with torch.no_grad():
+        ref = model(x, mask)
+    for dtype, tol in MIXED_TOLERANCE.items():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            y = model(x, mask)
+        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"\n{mixer} {str(dtype).replace('torch.', '')} vs fp32: max relative "
+              f"error {err:.2e} (bound {tol:g})")
+        assert err <= tol, f"{mixer} {dtype}: {err:.2e} > {tol:g}"
+        y.float().square().mean().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()
+                   if p.grad is not None), f"{mixer} {dtype}: non-finite gradient"
+
+
 @pytest.mark.parametrize("x_on", ["host", "device"])
 def test_streaming_on_cuda_equals_unchunked(x_on):
     """stream_forward on the GPU (chunks of 1536 of N = 5000, inputs on the host or the

@@ -7,13 +7,24 @@ that carry shapes, dtypes and strides but no data. Every call of the CUDA effici
 kernel, forward and backward, goes through a checker of that kernel's input rules
 (:class:`fake_cuda.EfficientAttentionRules`): a failure names the rule the wrapper broke.
 
+Covered: the CUDA ``encode_with_lse`` (both cotangents, one cotangent, masks, D not a
+multiple of 8, M not a multiple of 32, N = 1, float64's explicit path, under autocast);
+every registered mixer in the surrogate, forward and backward under CUDA autocast in
+fp32/bf16/fp16; the context-parallel model (a 1-rank gloo group) and streaming with inputs
+and hidden state on the device or the host. A host read of a device value (``.item()``, a
+shape check by ``torch.equal``) fails on a fake tensor, so these tests also catch a host
+sync put back into the encoder's path.
+
 What this tier cannot see: numbers (every result is a fake tensor; kernel numerics are
 checked against float64 by tests/test_cuda.py on a GPU, and by the CPU emulation in
 tests/test_kernels_cpu_emulation.py), which fused kernel F.scaled_dot_product_attention picks
 on a GPU (it runs its math decomposition here), NCCL, CUDA streams and memory, Inductor on
 CUDA. Mixers whose control flow depends on tensor values (``abupt``'s anchor selection and
 the causal scans' chunking read data) cannot run on fake tensors and are listed in
-VALUE_DEPENDENT with the reason.
+VALUE_DEPENDENT with the reason. Not here either: a trainer step of each task (the tasks'
+losses turn numpy statistics into device tensors and GradScaler reads its inf flag on the
+host; neither can be faked) and checkpoint writing (torch cannot pickle these fake
+tensors); tests/test_cuda_training.py covers both on a GPU.
 
 Skipped, with the reason, where no C++ compiler (or ninja) is available to build the
 extension, and on CUDA builds of torch. Shape letters: B batch, H heads, M latents, N tokens,
@@ -26,9 +37,11 @@ import pytest
 import torch
 
 import fake_cuda
+import flarepp
 from fake_cuda import EfficientAttentionRules, KernelRuleError
+from flarepp.mixers import MIXERS
 from flarepp.ops import _kernels
-from flarepp.ops.attention import _encode_with_lse, default_scale, encode_with_lse
+from flarepp.ops.attention import encode_with_lse
 
 _REASON = fake_cuda.unavailable_reason()
 pytestmark = [pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
@@ -158,11 +171,13 @@ def test_cuda_float64_takes_the_explicit_path():
 
 # ----------------------------------------------------------------------------- mixers
 
-from flarepp.mixers import MIXERS  # noqa: E402
-
-import flarepp  # noqa: E402
-
-VALUE_DEPENDENT = {}
+VALUE_DEPENDENT = {
+    "abupt": "its anchor selection reads the number of real tokens (int(n_real.max()))",
+    "flare-causal": "the chunked causal scan branches on whether a chunk overflows "
+                    "(c.unsafe.any() in ops/causal.py)",
+    "flarepp-causal": "the chunked causal scan branches on whether a chunk overflows "
+                      "(c.unsafe.any() in ops/causal.py)",
+}
 """Mixers that cannot run on fake tensors: their control flow reads tensor values."""
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,7 +186,7 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def _surrogate(name, precision):
     torch.manual_seed(0)
     norm = "layernorm" if precision == "fp32" else "rmsnorm"
-    model = flarepp.build_model(mixer=name, in_dim=3, out_dim=2, blocks=2, dim=32, heads=2,
+    model = flarepp.build_model(mixer=name, in_dim=3, out_dim=2, blocks=1, dim=16, heads=2,
                                 latents=8, norm=norm)
     mixer = model.blocks[0].mixer
     if getattr(mixer, "stochastic_in_training", False):
@@ -189,16 +204,83 @@ def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
     if name in VALUE_DEPENDENT:
         pytest.skip(VALUE_DEPENDENT[name])
     dtype = PRECISIONS[precision]
+    model, masks = _surrogate(name, precision)
     with fake_cuda.fake_cuda(), EfficientAttentionRules():
-        with torch.device("cuda"):
-            model, masks = _surrogate(name, precision)
-        x = torch.randn(2, 40, 3, device="cuda")
-        mask = torch.ones(2, 40, dtype=torch.bool, device="cuda") if masks else None
+        fake_cuda.to_fake_cuda(model)
+        x = torch.randn(2, 24, 3, device="cuda")
+        mask = torch.ones(2, 24, dtype=torch.bool, device="cuda") if masks else None
         with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
             y = model(x, mask=mask)
-        assert y.device.type == "cuda" and y.shape == (2, 40, 2)
+        assert y.device.type == "cuda" and y.shape == (2, 24, 2)
         y.float().square().mean().backward()
         for pname, p in model.named_parameters():
             if p.requires_grad:
                 assert p.grad is not None, f"{pname} got no gradient"
                 assert p.grad.device.type == "cuda" and p.grad.dtype == torch.float32, pname
+
+
+# ----------------------------------------------------------------------------- distributed
+
+@pytest.fixture(scope="module")
+def gloo_group(tmp_path_factory):
+    """A 1-rank gloo group in this process: collectives on fake CUDA tensors run their
+    shape functions only (no NCCL here; tests/test_cuda.py runs a 1-rank NCCL group)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this worker")
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("mixer", ["flare", "flarepp"])
+def test_context_parallel_model_on_cuda(gloo_group, mixer, precision):
+    """The context-parallel surrogate on CUDA under autocast: every encode goes through the
+    fused CUDA kernel inside the exact merge (forward and both-cotangent backward within
+    the kernel's rules), no host read of a device value on the way (a fake tensor cannot
+    be read: a per-encode shape check or sync would fail here), gradients reduced."""
+    from flarepp.distributed import context_parallel
+    dtype = PRECISIONS[precision]
+    model, _ = _surrogate(mixer, precision)
+    with context_parallel(model, gloo_group) as cp:
+        with fake_cuda.fake_cuda(), EfficientAttentionRules() as rules:
+            fake_cuda.to_fake_cuda(model)
+            x = torch.randn(2, 24, 3, device="cuda")
+            mask = torch.ones(2, 24, dtype=torch.bool, device="cuda")
+            with torch.autocast("cuda", dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                y = model(cp.shard(x), cp.shard(mask))
+            y.float().square().mean().backward()
+            cp.all_reduce_gradients()
+            encodes = {"flare": 1, "flarepp": 2}[mixer]  # per block (1 block)
+            assert rules.count("forward") == encodes and rules.count("backward") == encodes
+            assert all(call["dtype"] == (dtype or torch.float32) for _, call in rules.calls)
+            assert all(p.grad is not None and p.grad.device.type == "cuda"
+                       for p in model.parameters())
+
+
+@pytest.mark.parametrize("hidden_on", ["device", "host"])
+@pytest.mark.parametrize("inputs_on", ["cuda", "cpu"])
+def test_streaming_on_cuda(monkeypatch, hidden_on, inputs_on):
+    """stream_forward with the model on CUDA, inputs on the host or the device and the
+    hidden state [B, N, C] on the device or the host: every chunk's encode runs the fused
+    CUDA kernel within its rules, the output comes back to the inputs' device. The check
+    that queries agree across chunks reads a device value once per block; fake tensors
+    have none, so it is recorded here instead (tests/test_streaming.py checks it)."""
+    from flarepp.distributed import stream_forward
+    from flarepp.distributed.streaming import StreamingBackend
+    checks = []
+    monkeypatch.setattr(StreamingBackend, "check_queries", lambda self: checks.append(1))
+    model, _ = _surrogate("flarepp", "fp32")
+    model.eval()
+    with fake_cuda.fake_cuda(), EfficientAttentionRules() as rules:
+        fake_cuda.to_fake_cuda(model)
+        x = torch.randn(2, 50, 3, device=inputs_on)
+        mask = torch.ones(2, 50, dtype=torch.bool, device=inputs_on)
+        y = stream_forward(model, x, mask, chunk_size=16, hidden_on=hidden_on)
+        assert y.shape == (2, 50, 2) and y.device.type == inputs_on
+        assert rules.count("forward") >= 4 and rules.count("backward") == 0
+    assert checks
+

@@ -50,6 +50,7 @@ def test_gpu_check_runs_every_cuda_marked_file():
     assert not missed, f"gpu_check.sh does not run {missed}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_gpu_check_needs_no_pip_when_the_environment_is_set_up(tmp_path):
     """With an environment that imports flarepp and pytest, `make gpu-check` goes straight

@@ -103,6 +103,7 @@ def test_loss_is_the_summed_next_byte_cross_entropy(corpus):
                         rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_train_then_generate_and_bench(corpus, tmp_path, capsys):
     """A tiny lm run trains through the one trainer, and `flarepp generate` continues the
     prompt from its checkpoint: greedy output is the prompt plus the requested bytes and

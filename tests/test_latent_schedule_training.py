@@ -21,6 +21,7 @@ def darcy_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_schedule_grows_model_ema_and_checkpoint(darcy_dir, tmp_path):
     """M follows the schedule (logged per epoch); the checkpoint rebuilds the grown model,
     and eval of it reproduces the run's metric."""
@@ -53,6 +54,7 @@ def test_growth_in_the_trainer_keeps_the_function(darcy_dir, tmp_path):
     trainer.close()
 
 
+@pytest.mark.slow
 def test_resume_across_growth_is_bitwise(darcy_dir, tmp_path):
     """Stopped after epoch 1 (M = 2), resumed (grows to 4, then 6): the run ends exactly
     where an uninterrupted one ends."""

@@ -134,6 +134,7 @@ def write_retrieval_pickles(root, rng):
             pickle.dump(samples, handle)
 
 
+@pytest.mark.slow
 def test_retrieval_batches_go_through_two_towers(tmp_path):
     """A two-document batch (the reference's pickles) runs the shared encoder on each
     document and classifies [u, v]: the task's logits equal the towers run one document at
@@ -162,6 +163,7 @@ def test_retrieval_batches_go_through_two_towers(tmp_path):
     assert 0.0 <= metrics["test_accuracy"] <= 1.0 and metrics["epochs"] == 1
 
 
+@pytest.mark.slow
 def test_lra_train_resume_eval_and_plot(listops, tmp_path, capsys):
     """`flarepp lra train` end to end: a run stopped after one epoch and resumed ends
     bitwise equal to an uninterrupted one; `flarepp eval` on its checkpoint reproduces the
@@ -196,6 +198,7 @@ def test_lra_train_resume_eval_and_plot(listops, tmp_path, capsys):
     assert [r["epoch"] for r in log] == [1, 2, 3] and all("val_accuracy" in r for r in log)
 
 
+@pytest.mark.slow
 def test_compare_writes_table_and_reuses_runs(listops, tmp_path):
     """`flarepp lra compare` trains tasks x mixers x seeds, writes a Table 12-like table
     (mean and sample std over seeds from the runs' metrics, chance level stated), and a
@@ -230,6 +233,7 @@ def test_compare_writes_table_and_reuses_runs(listops, tmp_path):
                                     overrides=TINY_MODEL))
 
 
+@pytest.mark.slow
 def test_compare_records_a_diverged_run_and_goes_on(listops, tmp_path):
     """A run whose loss becomes non-finite is recorded in failed.json, left out of the
     table and not retried, and the other runs of the grid still train. A failure means one

@@ -10,6 +10,9 @@ import pytest
 from flarepp.experiments.comparison import PAPER_SETTINGS, parameter_table
 from flarepp.paper import DATASETS, TABLE10, TABLE10_FLARE_STUDY
 
+# The module's fixture builds every Table 1 model at paper size on five datasets (~15 s).
+pytestmark = pytest.mark.slow
+
 assert tuple(PAPER_SETTINGS) == DATASETS
 # PerceiverIO and GNOT are reproduced within 5% of the FLARE study's own counts (Table 10
 # caption); LNO's quoted 0.92M does not follow from its equations (see the LNO test).

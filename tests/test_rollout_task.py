@@ -86,6 +86,7 @@ def test_rollout_feeds_predictions_back_and_loss_by_hand(data_dir):
     assert float(task.loss_count(train_batch, ident)) == 2 * 2 * 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["rollout-tiny", "rollout-tiny-concat",
                                     "rollout-tiny-adaln"])
 def test_tiny_rollout_run_end_to_end(data_dir, tmp_path, preset, capsys):

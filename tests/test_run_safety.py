@@ -42,6 +42,7 @@ def run_cli(*args, **kw):
                           capture_output=True, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_stop_after_writes_the_checkpoint_it_promises(darcy_dir, tmp_path, capsys):
     """--stop-after 1 with checkpoint_every=5 used to write nothing, so --resume failed
     with "no checkpoint"; now the stop epoch is always checkpointed."""
@@ -55,6 +56,7 @@ def test_stop_after_writes_the_checkpoint_it_promises(darcy_dir, tmp_path, capsy
     assert json.loads((out / "metrics.json").read_text())["epochs"] == 3
 
 
+@pytest.mark.slow
 def test_second_process_on_one_run_directory_is_refused(darcy_dir, tmp_path):
     """Two `flarepp train` into one --out both exited 0 and interleaved log.jsonl; now the
     second fails at once (exit 1), naming the first one's pid and host."""
@@ -78,6 +80,7 @@ def test_second_process_on_one_run_directory_is_refused(darcy_dir, tmp_path):
     assert "terminated" in stderr or ("--resume" in stderr and "SIGTERM" in stderr)
 
 
+@pytest.mark.slow
 def test_stale_temporary_does_not_block_the_directory(darcy_dir, tmp_path):
     """A SIGKILL during the first checkpoint write left checkpoints/.epoch_0002.pt.*.tmp:
     a fresh start then refused ("already holds a run") and --resume refused ("no
@@ -91,6 +94,7 @@ def test_stale_temporary_does_not_block_the_directory(darcy_dir, tmp_path):
     assert not stale.exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_data_and_eval_finds_the_runs_data(darcy_dir, tmp_path):
     """--resume with a different --data was accepted (and re-fitted the normalisers
     mid-run); eval without --data read the preset's default directory. Now resume names
@@ -111,6 +115,7 @@ def test_resume_refuses_other_data_and_eval_finds_the_runs_data(darcy_dir, tmp_p
     assert got["test_rel_l2"] == pytest.approx(metrics["test_rel_l2"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_truncated_latest_checkpoint_falls_back(darcy_dir, tmp_path, capsys):
     """A truncated latest checkpoint stopped --resume; now the previous good one is used,
     with a message naming the skipped file."""
@@ -125,6 +130,7 @@ def test_truncated_latest_checkpoint_falls_back(darcy_dir, tmp_path, capsys):
     trainer.close()
 
 
+@pytest.mark.slow
 def test_interrupted_mid_epoch_resumes_bitwise(darcy_dir, tmp_path):
     """A SIGINT after a step writes a mid-epoch checkpoint from which the run ends exactly
     where an uninterrupted run ends (CPU, FP32): nothing of the interrupted epoch is lost."""
@@ -152,6 +158,7 @@ def test_interrupted_mid_epoch_resumes_bitwise(darcy_dir, tmp_path):
     assert [r["train_loss"] for r in log] == [r["train_loss"] for r in ref]
 
 
+@pytest.mark.slow
 def test_sigint_exits_130_with_resume_hint(darcy_dir, tmp_path):
     """Ctrl-C gave a raw KeyboardInterrupt traceback; now the step finishes, a checkpoint is
     written and the command says how to continue (exit 130)."""
@@ -205,6 +212,7 @@ def test_output_location_checked_before_work(darcy_dir, tmp_path, capsys):
         assert "no permission" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_with_wrong_channel_count_is_a_sentence(darcy_dir, tmp_path, capsys):
     """eval on data whose inputs have another channel count raised a RuntimeError from the
     first matmul; now it names both counts (exit 1)."""

@@ -92,6 +92,7 @@ def test_atomic_write_syncs_the_file_and_its_directory(tmp_path, monkeypatch):
     assert synced == ["file", "dir"]
 
 
+@pytest.mark.slow
 def test_stale_temporaries_of_a_killed_write_are_removed(tmp_path):
     """A process SIGKILLed while writing a checkpoint leaves ``.epoch_0002.pt.<tag>.tmp``;
     remove_stale_temporaries deletes it (and the mkstemp-named leftovers of older versions)
@@ -149,6 +150,7 @@ def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path, writer):
     assert not target.exists()
 
 
+@pytest.mark.slow
 def test_flarepp_eval_refuses_a_crafted_pickle(tmp_path):
     """``flarepp eval evil.pt`` exits non-zero with the refusal and creates nothing (the
     issue's check). Fails before the change: the pickle ran."""
@@ -197,6 +199,7 @@ def test_save_checkpoint_refuses_objects_it_could_not_read_back(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_trained_run_checkpoint_reads_with_weights_only(tmp_path):
     """A real run's checkpoint (config dicts, optimizer, scheduler, scaler, EMA, both RNG
     states, history, normalizers) loads with weights_only=True and rebuilds the model.
@@ -249,6 +252,7 @@ _HOLD_LOCK = """
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_cannot_take_a_held_run_lock(tmp_path):
     """While one process holds the run directory, another gets RunLocked naming the holder's
     pid, host and command; once it exits the lock is free and its file gone. Fails before
@@ -279,6 +283,7 @@ def test_a_second_process_cannot_take_a_held_run_lock(tmp_path):
     assert not (out / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_a_sigkilled_holder_never_blocks(tmp_path):
     """A holder killed with SIGKILL cannot clean up, but the kernel releases its flock: the
     next run takes the lock at once and learns which run died holding it. A failure points
@@ -294,6 +299,7 @@ def test_a_sigkilled_holder_never_blocks(tmp_path):
         assert lock.stale.is_dead_here()
 
 
+@pytest.mark.slow
 def test_a_stale_lock_held_by_an_orphan_does_not_block(tmp_path):
     """The lock file names a process that is dead on this host, yet the flock is held (a
     forked child inherited the descriptor and outlived its parent): the stale file is
@@ -479,6 +485,7 @@ def test_check_range_flags_inputs_far_outside_the_training_range():
         assert norm.check_range(test, mask, "test inputs") == {}
 
 
+@pytest.mark.slow
 def test_datasets_registry_is_complete_on_import():
     """``DATASETS`` lists every loader as soon as flarepp.data is imported, in a fresh
     interpreter. Fails before the change: it was empty until the first load_dataset."""

@@ -102,6 +102,22 @@ def test_streaming_detects_chunk_dependent_queries():
     with pytest.raises(_EncodeReached):  # first chunk: partial taken, forward stopped
         backend.encode(q, k, v)
     backend.start_chunk()
+    with pytest.raises(_EncodeReached):  # compared on the device, no host sync per chunk
+        backend.encode(q + 1.0, k, v)
+    with pytest.raises(RuntimeError, match="different queries in different chunks"):
+        backend.check_queries()  # once per block (stream_forward calls it)
+
+
+def test_streaming_query_check_at_once_under_the_debug_switch(monkeypatch):
+    """FLAREPP_DEBUG_CHECKS=1 compares the queries on the host at the chunk itself."""
+    monkeypatch.setenv("FLAREPP_DEBUG_CHECKS", "1")
+    backend = StreamingBackend()
+    q = torch.randn(1, 2, 4, 8)
+    k = v = torch.randn(1, 2, 5, 8)
+    backend.start_chunk()
+    with pytest.raises(_EncodeReached):
+        backend.encode(q, k, v)
+    backend.start_chunk()
     with pytest.raises(RuntimeError, match="different queries in different chunks"):
         backend.encode(q + 1.0, k, v)
 
@@ -116,6 +132,7 @@ def test_unstreamable_mixers_are_refused(mixer):
         stream_forward(model, torch.randn(1, 8, 3), chunk_size=4)
 
 
+@pytest.mark.slow
 def test_streaming_peak_memory_is_hidden_state_plus_chunk():
     """Peak memory of a streamed forward at a fixed chunk (K=1024) as N grows 32x
     (2048 -> 65536): what it adds beyond the hidden state h [B, N, C] must stay within 20%
@@ -303,6 +320,7 @@ def stream_on_ranks(group) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_block_wise_streaming_composes_with_2_rank_context_parallelism():
     """Each of 2 gloo ranks streams its own token shard block by block, every encode pass
     merged across the ranks: the gathered outputs equal the unchunked single-process
@@ -321,6 +339,7 @@ def test_block_wise_streaming_composes_with_2_rank_context_parallelism():
                     (mixer, chunk_size)
 
 
+@pytest.mark.slow
 def test_bench_stream_measures_both_forwards_and_their_difference():
     """``flarepp bench stream``'s measurements on a tiny model: the worker's timed forward,
     unchunked and streamed, and the exactness job run through a fresh interpreter, which

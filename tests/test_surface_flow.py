@@ -150,6 +150,7 @@ def test_exact_panel_velocity_matches_quadrature():
         assert abs(velocity[0, 2] - side * 0.5) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes, yaw_pitch_deg", [((1.0, 1.0, 1.0), (0.0, 0.0)),
                                                  ((1.0, 0.5, 0.4), (10.0, 5.0))])
 def test_panel_method_converges_to_the_analytic_sphere_and_ellipsoid(axes, yaw_pitch_deg):
@@ -167,6 +168,7 @@ def test_panel_method_converges_to_the_analytic_sphere_and_ellipsoid(axes, yaw_p
         assert fine[1] < coarse[1] and fine[2] < coarse[2]
 
 
+@pytest.mark.slow
 def test_direct_and_gmres_solves_agree_and_the_near_field_cut_is_harmless():
     """The same 980-panel sphere solved by LU and by GMRES gives the same densities (1e-8);
     the point-source far field (beyond 4 panel radii) moves C_p by less than a third of the
@@ -203,6 +205,7 @@ def test_wall_shear_is_the_stated_skin_friction_law():
     assert np.all(tau[2] == 0)
 
 
+@pytest.mark.slow
 def test_run_length_is_close_to_the_geodesic_distance_on_a_sphere():
     """From the stagnation cell of a sphere in x-flow the shortest path through cells sharing
     a vertex is within [-1%, +5%] of the great-circle distance (a graph path is a little
@@ -255,6 +258,7 @@ def test_body_mesh_is_closed_outward_and_symmetric():
     np.testing.assert_allclose(rings, mirror, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_coarse_solve_interpolation_is_exact_on_its_own_grid_and_close_on_a_finer_one():
     """(1) When the coarse grid equals the fine one (2,400 cells solved via the interpolation
     path), the result equals the direct solve: indexing, the phi wrap and the projection are
@@ -271,6 +275,7 @@ def test_coarse_solve_interpolation_is_exact_on_its_own_grid_and_close_on_a_fine
     assert np.sqrt(np.mean((coarse.cp - direct.cp) ** 2)) < 0.06
 
 
+@pytest.mark.slow
 def test_car_flow_is_physical():
     """On a sampled car: stagnation C_p within 1% of 1, suction somewhere (C_p < -0.3),
     kinematic pressure = C_p U^2 / 2, shear tangent to the surface and of the skin-friction
@@ -292,6 +297,7 @@ def test_car_flow_is_physical():
 # ---------------------------------------------------------------------------------------------
 # files
 
+@pytest.mark.slow
 @needs_vtk
 def test_generator_writes_the_released_layout_read_by_the_reader(tmp_path):
     """``flarepp data make surface-flow`` (through the registry) writes run_<i>/boundary_<i>.vtp
@@ -346,6 +352,7 @@ def test_median_case_is_the_papers_choice():
         median_case([], subset=10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["matplotlib", "vtk"])
 def test_surface_pictures_are_written_headless(tmp_path, backend):
     """Both renderers write one non-empty PNG per quantity for the median case; the case

@@ -87,6 +87,7 @@ def hand_normalisation(root: str, task):
     return inputs, targets
 
 
+@pytest.mark.slow
 def test_inputs_targets_loss_and_gradient_match_float64(data):
     """Items are the bounding-box-scaled centres and normals and the standardised fields of
     the drawn cells; loss / count is 100 x the MSE over cells and channels, also for a
@@ -118,6 +119,7 @@ def test_inputs_targets_loss_and_gradient_match_float64(data):
         assert not pred.grad[b, len(e):].any()       # padding takes no gradient
 
 
+@pytest.mark.slow
 def test_subsets_are_seeded_uniform_without_replacement_and_fresh_every_step(data):
     """``subset_cells`` draws distinct cells, the same for the same seed and uniformly over
     many seeds; the trainer's per-step seeds differ between samples and between epochs, so
@@ -143,6 +145,7 @@ def test_subsets_are_seeded_uniform_without_replacement_and_fresh_every_step(dat
     np.testing.assert_array_equal(np.round(again, 6), drawn[(0, 0)])
 
 
+@pytest.mark.slow
 def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     """The test value: per car 100 x the mean over all its cells and 4 channels of the
     squared standardised error, averaged over the cars; per channel likewise. Computed here
@@ -169,6 +172,7 @@ def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     assert sorted(records) == ["cells", "index", "sse"] and records["sse"].shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_streamed_evaluation_equals_unchunked(data):
     """Evaluation streamed in chunks of 97 cells (and of 1000) gives the unchunked records;
     a failure points to the engine's streaming path or the exact block-wise streaming."""
@@ -182,6 +186,7 @@ def test_streamed_evaluation_equals_unchunked(data):
         assert metrics["nmse"] == pytest.approx(plain_metrics["nmse"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
     """Two epochs, then: the per-car errors file, the median case saved in physical units
     (its error recomputed from the saved arrays equals its evaluated error), ``flarepp
@@ -252,6 +257,7 @@ def _trained(trainer) -> dict:
             "metrics": trainer.finish()}
 
 
+@pytest.mark.slow
 def test_context_parallel_training_equals_single_process(data, tmp_path):
     """2 gloo ranks splitting every step's cells (and every test surface) give the
     single-process step losses, weights and full-surface metric; a failure points to the
@@ -271,6 +277,7 @@ def test_context_parallel_training_equals_single_process(data, tmp_path):
         np.testing.assert_allclose(cp_case["pred"], one_case["pred"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_pareto_study_trains_the_grid_and_marks_the_front(data, tmp_path):
     """The grid's points; FLARE, FLARE++ and AB-UPT (its anchors fixed) at one depth, one
     epoch each: every run is timed (its cost from a separate timing run) and finishes,
@@ -313,6 +320,7 @@ def test_bad_options_fail_before_any_data_is_read(change, message):
         config("/nonexistent", **change)
 
 
+@pytest.mark.slow
 def test_missing_split_file_and_runs_are_named(data, tmp_path):
     """A split file that is nowhere, or a split listing a run without its file, is a
     DataError naming the file."""

@@ -185,7 +185,7 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
     import flarepp.train.loop as loop
     data = _npz(tmp_path / "d.npz")
     study = sweep_study("npz", parse_axes(["lr=1e-3,1e30"]), data=str(data),
-                        sets=[*TINY, "epochs=2", "div_factor=1.0"])
+                        sets=[*TINY, "epochs=3", "div_factor=1.0"])
     out = tmp_path / "sw"
     create_study(out, study)
     real_save = loop.save_checkpoint
@@ -197,20 +197,20 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "save_checkpoint", full_disk)
     done = run_study(study, out, **QUIET)
-    assert done["failed"] == ["lr-1e30"] and done["error"] == ["lr-0.001"]
-    assert not (out / "runs" / "lr-0.001" / "failed.json").exists()
+    assert done["failed"] == ["lr-1e30"] and done["error"] == ["lr-1e-3"]
+    assert not (out / "runs" / "lr-1e-3" / "failed.json").exists()
     _, rows = collect(out)
     by = {r["point"]: r for r in rows}
     assert by["lr-1e30"]["status"] == "failed" and "loss became" in by["lr-1e30"]["error"]
-    assert by["lr-0.001"]["status"] == "pending"
-    assert "No space left on device" in by["lr-0.001"]["error"]
+    assert by["lr-1e-3"]["status"] == "pending"
+    assert "No space left on device" in by["lr-1e-3"]["error"]
     monkeypatch.setattr(loop, "save_checkpoint", real_save)  # space freed
-    assert main(["sweep", "--out", str(out), "--quiet"]) == 0
+    assert main(["sweep", "--out", str(out), "--quiet", "--report"]) == 0
     events = read_events(out)
-    assert [e["event"] for e in events if e["point"] == "lr-0.001"][-2:] == ["resume", "finish"]
+    assert [e["event"] for e in events if e["point"] == "lr-1e-3"][-2:] == ["resume", "finish"]
     assert [e["event"] for e in events if e["point"] == "lr-1e30"] == ["start", "fail"]
-    log = (out / "runs" / "lr-0.001" / "log.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in log] == [1, 2]
+    log = (out / "runs" / "lr-1e-3" / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in log] == [1, 2, 3]
     text = (out / "report.md").read_text()
     assert "| failed |" in text and "loss became" in text
 
@@ -292,3 +292,38 @@ def test_report_reads_any_study(tmp_path):
     """`flarepp sweep report DIR` of a directory without a study names the problem."""
     with pytest.raises(FileNotFoundError, match="no study"):
         write_report(tmp_path)
+
+
+def test_a_sweep_of_an_earlier_flarepp_is_continued(tmp_path):
+    """A directory an earlier `flarepp sweep` started (sweep.json: base config, axes, data)
+    opens as the same study: the same point names, so its runs are found and reused."""
+    from flarepp.experiments.engine import open_study
+    from flarepp.train import get_preset
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({
+        "base": get_preset("npz").to_dict(), "data_root": str(tmp_path / "d.npz"),
+        "axes": [["model.mixer", ["flare", "flarepp"]], ["seed", ["0", "1"]]]}))
+    study = open_study(out)
+    assert [p.name for p in study.points] == ["mixer-flare_seed-0", "mixer-flare_seed-1",
+                                              "mixer-flarepp_seed-0", "mixer-flarepp_seed-1"]
+    assert (out / "study.json").is_file() and study.continue_with.startswith("flarepp sweep")
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_command_that_continues(tmp_path):
+    """Ctrl-C stops the sweep after a step with exit status 130 and says how to continue
+    with a command `sweep` accepts (before: `--resume`, which it does not take)."""
+    data = _npz(tmp_path / "d.npz")
+    out = tmp_path / "sw"
+    proc = _run(["sweep", "npz", "--data", str(data), "--out", str(out),
+                 *_sets([*TINY, "epochs=200"]), "--grid", "seed=0"])
+    deadline = time.monotonic() + 300
+    while not list(out.glob("runs/seed-0/checkpoints/*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err.decode()
+    assert f"continue with `flarepp sweep --out {out}`" in err.decode()
+    assert "--resume" not in err.decode()
+    assert read_events(out)[-1]["event"] == "interrupt"

@@ -23,6 +23,7 @@ def darcy_dir(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(darcy_dir, tmp_path):
     """A run stopped after one epoch and resumed ends exactly where an uninterrupted run
     ends (CPU, FP32): a difference means some state (RNG, EMA, scheduler) is not saved."""
@@ -42,6 +43,7 @@ def test_resume_is_bitwise_identical(darcy_dir, tmp_path):
     assert [r["epoch"] for r in log] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_eval_reproduces_metrics_from_checkpoint(darcy_dir, tmp_path):
     """`flarepp eval` on the last checkpoint gives metrics.json's test_rel_l2 to 1e-6."""
     config = get_preset("darcy-tiny", TINY)
@@ -58,6 +60,7 @@ def test_eval_reproduces_metrics_from_checkpoint(darcy_dir, tmp_path):
     assert list((tmp_path / "run").glob("case_*.png"))
 
 
+@pytest.mark.slow
 def test_plot_of_a_stopped_run_predicts_from_its_checkpoint(darcy_dir, tmp_path, capsys):
     """`flarepp plot --device cpu` on a run stopped with --stop-after (no final outputs)
     predicts the test split from the newest checkpoint, says so with the checkpoint's test
@@ -82,6 +85,7 @@ def test_plot_of_a_stopped_run_predicts_from_its_checkpoint(darcy_dir, tmp_path,
     assert "no readable checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_training_runs(darcy_dir, tmp_path, precision):
     """bf16/fp16 autocast (with a gradient scaler for fp16) trains with RMSNorm to finite
@@ -92,6 +96,7 @@ def test_mixed_precision_training_runs(darcy_dir, tmp_path, precision):
     assert torch.isfinite(torch.tensor(metrics["test_rel_l2"]))
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_clearly(darcy_dir, tmp_path, capsys):
     """Unknown preset, missing data directory, corrupt checkpoint, config mismatch on
     resume: non-zero exit / clear error naming the problem, earlier checkpoints intact."""
@@ -120,6 +125,7 @@ def test_bad_inputs_fail_clearly(darcy_dir, tmp_path, capsys):
         train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
 
 
+@pytest.mark.slow
 def test_console_script_help():
     """The `flarepp` entry point lists its commands."""
     out = subprocess.run([sys.executable, "-m", "flarepp", "--help"], capture_output=True,
@@ -128,6 +134,7 @@ def test_console_script_help():
         assert command in out
 
 
+@pytest.mark.slow
 def test_runtime_settings_do_not_change_a_run(darcy_dir, tmp_path):
     """A run with loader worker processes, stopped and resumed in one process with a
     checkpoint that says it was written on a GPU (device cuda, a CUDA RNG state), ends

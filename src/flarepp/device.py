@@ -52,6 +52,18 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device (nothing to do on the CPU).
+
+    Allocations without an index, cuBLAS/cuDNN handles, ``torch.cuda.synchronize()`` and
+    NCCL all use the current device: a single process on ``cuda:K``, K > 0, that never set
+    it would also create a context and allocate on ``cuda:0``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def amp_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of ``precision`` (``None`` for FP32)."""
     if precision not in PRECISIONS:

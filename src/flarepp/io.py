@@ -93,8 +93,14 @@ def atomic_write_all(files: Mapping[str | Path, Writer]) -> list[Path]:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = _create_temporary(path)
             staged.append((tmp, path))
-            write(tmp)
-            _fsync_file(tmp)
+            try:
+                write(tmp)
+                _fsync_file(tmp)
+            except OSError as err:
+                if err.filename is not None or err.errno is None:
+                    raise
+                # a failed write() (ENOSPC, EFBIG) names no file: name the target
+                raise OSError(err.errno, err.strerror, str(path)) from err
         for tmp, path in staged:
             os.replace(tmp, path)
         for directory in {path.parent for _, path in staged}:
@@ -137,5 +143,45 @@ def atomic_write_npz(path: str | Path, arrays: Mapping[str, Any], *,
     return atomic_write(path, write)
 
 
-__all__ = ["atomic_write", "atomic_write_all", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_npz", "atomic_write_text", "fsync_directory", "is_temporary"]
+class UnreadableFile(ValueError):
+    """A file flarepp wrote earlier (a run's ``config.json``, ``log.jsonl``, ``metrics.json``)
+    that no longer decodes: the message names the file and the place."""
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON value in ``path``; :class:`UnreadableFile` naming the file, line and column
+    when it is not JSON (a hand edit, a copy cut short, another file under this name)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UnreadableFile(f"{path}: not valid JSON at line {err.lineno}, column "
+                             f"{err.colno} ({err.msg})") from None
+    except UnicodeDecodeError as err:
+        raise UnreadableFile(f"{path}: not UTF-8 text (byte {err.start}), so not JSON") \
+            from None
+
+
+def read_json_lines(path: str | Path) -> list[Any]:
+    """One JSON value per non-empty line of ``path`` (a ``log.jsonl``); a line that does
+    not decode raises :class:`UnreadableFile` naming the file and the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise UnreadableFile(f"{path}: not UTF-8 text (byte {err.start})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise UnreadableFile(f"{path}: line {number} is not valid JSON ({err.msg}, "
+                                 f"column {err.colno})") from None
+    return records
+
+
+__all__ = ["UnreadableFile", "atomic_write", "atomic_write_all", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_npz", "atomic_write_text", "fsync_directory",
+           "is_temporary", "read_json", "read_json_lines"]

@@ -8,7 +8,6 @@ triangulation of the points for point clouds (triangles spanning holes are dropp
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,11 +84,23 @@ CURVES_FILE = "curves.png"
 
 @dataclass(frozen=True)
 class Series:
-    """One line of a curve panel: the ``log.jsonl`` key it draws, times ``scale``."""
+    """One line of a curve panel: the ``log.jsonl`` key it draws, times ``scale``; records
+    that hold the key ``unless`` are left out of it (a stand-in for older logs)."""
 
     key: str
     label: str
     scale: float = 1.0
+    linestyle: str = "-"
+    unless: str | None = None
+
+
+def weight_series(key: str, label: str, scale: float = 1.0) -> tuple[Series, ...]:
+    """The lines of an evaluated metric, ``key`` of ``log.jsonl``: its raw weights' values
+    (``key_raw``, solid) and its EMA weights' (``key_ema``, dashed); a log written before
+    both were stored holds only ``key``, which was the EMA weights'."""
+    return (Series(f"{key}_raw", f"{label} (raw weights)", scale),
+            Series(f"{key}_ema", f"{label} (EMA weights)", scale, "--"),
+            Series(key, f"{label} (EMA weights)", scale, "--", unless=f"{key}_ema"))
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,8 @@ def read_log(run_dir: str | Path) -> list[dict]:
     log = Path(run_dir) / "log.jsonl"
     if not log.is_file():
         raise FileNotFoundError(f"{str(log)!r} not found: is {str(run_dir)!r} a flarepp run?")
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    from flarepp.io import read_json_lines
+    return read_json_lines(log)
 
 
 def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
@@ -122,11 +134,12 @@ def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
     for ax, panel in zip(axes[0], panels):
         for series in panel.series:
             points = [(r["epoch"], series.scale * r[series.key]) for r in records
-                      if series.key in r]
+                      if series.key in r and (series.unless is None or series.unless not in r)]
             if not points:
                 continue
             sparse = len(points) < len(records)
-            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=series.label)
+            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=series.label,
+                    ls=series.linestyle)
         for y, label, style in panel.references:
             ax.axhline(y, color="gray", ls=style, lw=1, label=label)
         if panel.log:
@@ -155,4 +168,4 @@ def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> 
 
 
 __all__ = ["CURVES_FILE", "Panel", "Series", "plot_cases", "plot_curves", "plot_field_run",
-           "read_log"]
+           "read_log", "weight_series"]

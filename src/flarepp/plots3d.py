@@ -26,7 +26,6 @@ may abort a process, so it is not tried in this one), else matplotlib, and says 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -505,7 +504,8 @@ def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path
     if not source.is_file():
         raise FileNotFoundError(f"{str(source)!r}, the surface of the case in {str(path)!r}, "
                                 "is gone: the figures draw its polygons")
-    config = json.loads((run_dir / "config.json").read_text())
+    from flarepp.io import read_json
+    config = read_json(run_dir / "config.json")
     label = f"{model_label(config)} ({nmse:.3g}%)"
     paths = plot_surface_case(source, truth, {label: pred}, run_dir, case_name=run,
                               backend=backend)
@@ -516,8 +516,9 @@ def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path
 
 def plot_surface_curves(run_dir: Path) -> Path:
     """``curves.png``: training loss (subsets, live weights) and the scored split's error
-    (every cell, EMA weights) against epoch, both 100 x MSE of standardised channels."""
-    from flarepp.plots import Panel, Series, plot_curves
+    (every cell, raw and EMA weights) against epoch, both 100 x MSE of standardised
+    channels."""
+    from flarepp.plots import Panel, Series, plot_curves, weight_series
     return plot_curves(run_dir, [Panel("normalised MSE x 100 [%]", (
         Series("train_loss", "training loss (cell subsets, live weights)"),
-        Series("test_nmse", "test, every cell (EMA weights)")))])
+        *weight_series("test_nmse", "test, every cell")))])

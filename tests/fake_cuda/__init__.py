@@ -112,6 +112,30 @@ def fake_cuda() -> Iterator[Any]:
         lib.flarepp_fake_cuda_uninstall()
 
 
+def to_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with every parameter and buffer replaced, in place, by a fake CUDA tensor
+    of the same shape, dtype and ``requires_grad`` (shared tensors stay shared). Call inside
+    :func:`fake_cuda` on a module built outside it (initialisers read values, which fake
+    tensors do not have); ``Module.to`` cannot swap real tensors for fake ones."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device="cuda")
+            made[id(t)] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                           if parameter else new)
+        return made[id(t)]
+
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                sub._parameters[name] = fake(p, True)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = fake(b, False)
+    return module
+
+
 # ----------------------------------------------------------------------------- kernel rules
 
 class KernelRuleError(RuntimeError):

@@ -27,9 +27,10 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
     from flarepp.distributed import RankFailure
     from flarepp.storage.checkpoint import CheckpointError
     from flarepp.data.fingerprint import DataMismatch
+    from flarepp.io import UnreadableFile
     from flarepp.storage.rundir import RunLocked
     return (DataError, CheckpointError, RunLocked, DataMismatch, FloatingPointError, OSError,
-            RankFailure)
+            RankFailure, UnreadableFile)
 
 
 class Terminated(BaseException):

@@ -18,7 +18,7 @@ def _names(text: str, known: list[str], what: str) -> list[str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.cli.sweep import execute
     from flarepp.experiments import TABLE1_ORDER
     from flarepp.experiments.comparison import PAPER_SETTINGS
     from flarepp.experiments.studies import compare_study
@@ -27,8 +27,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.epochs is not None and args.epochs <= 0:
         raise CLIError(f"--epochs must be positive, got {args.epochs}")
     study = compare_study(models, datasets, epochs=args.epochs, seeds=args.seeds,
-                          scale=args.scale, data_root=args.data_root, overrides=args.set or [],
-                          continue_with=continue_command(args.out))
+                          scale=args.scale, data_root=args.data_root, overrides=args.set or [])
     code = execute(study, args.out, quiet=args.quiet)
     table = Path(args.out) / "table.md"
     if table.exists():

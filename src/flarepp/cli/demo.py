@@ -11,6 +11,7 @@ def _demo(args: argparse.Namespace) -> int:
     from flarepp.data.generators.darcy import make_darcy
     from flarepp.tasks import plot_run_dir
     from flarepp.train import get_preset, train
+    from flarepp.train.loop import WEIGHTS_NAME
 
     data = Path(args.data)
     if not any(data.glob("piececonst_r*_N*_smooth1.mat")):
@@ -21,8 +22,13 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"training {config.name} ({config.model['mixer']}, {config.epochs} epochs) into {out}")
     metrics = train(config, out, data_root=data, progress=not args.quiet)
     figures = plot_run_dir(out, cases=config.plot_cases)
-    print(f"\ntest relative L2 (EMA model): {100 * metrics['test_rel_l2']:.2f}%  "
-          f"train: {100 * metrics['train_rel_l2']:.2f}%  params: {metrics['params']:,}  "
+    weights = metrics["eval_weights"]   # the headline's; the other weights' beside it
+    other = "ema" if weights == "raw" else "raw"
+    print(f"\ntest relative L2 ({WEIGHTS_NAME[weights]} weights): "
+          f"{100 * metrics['test_rel_l2']:.2f}%  train: {100 * metrics['train_rel_l2']:.2f}%  "
+          f"({WEIGHTS_NAME[other]} weights: test "
+          f"{100 * metrics[f'test_rel_l2_{other}']:.2f}%, train "
+          f"{100 * metrics[f'train_rel_l2_{other}']:.2f}%)  params: {metrics['params']:,}  "
           f"time: {metrics['seconds']:.0f} s")
     print(f"metrics: {out / 'metrics.json'}")
     print("figures: " + ", ".join(str(p) for p in figures))

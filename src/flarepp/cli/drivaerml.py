@@ -34,7 +34,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _pareto(args: argparse.Namespace) -> int:
-    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.cli.sweep import execute
     from flarepp.experiments.studies import pareto_study
     if args.preset is None:
         if args.set or args.data:
@@ -42,8 +42,7 @@ def _pareto(args: argparse.Namespace) -> int:
         return execute(None, args.out, quiet=args.quiet)
     from flarepp.train import get_preset
     study = pareto_study(get_preset(args.preset, args.set or []), args.mixers.split(","),
-                         args.blocks, args.latents, args.seeds, args.anchors, data=args.data,
-                         continue_with=continue_command(args.out))
+                         args.blocks, args.latents, args.seeds, args.anchors, data=args.data)
     return execute(study, args.out, quiet=args.quiet)
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from flarepp.cli import CLIError, check_output
+from flarepp.cli import CLIError, at_least, check_output
 from flarepp.device import DEVICE_HELP
 
 
@@ -38,8 +38,10 @@ def _train(args: argparse.Namespace) -> int:
     nominal = lra_point_config(args.task, args.mixer, args.seed, args.size,
                                overrides=overrides, **options)
     if not Path(nominal.data_root).exists():
+        from flarepp.data.generators import how_to_get
+        size = f"--size {args.size}"
         raise CLIError(f"data folder {nominal.data_root!r} does not exist (give --data, or "
-                       "make tiny data with `flarepp lra data make ... --size tiny`)")
+                       f"{how_to_get(nominal.dataset, nominal.data_root, size)})")
     out = check_output(args.out or f"runs/{nominal.name}-seed{args.seed}", directory=True)
     data = load_sequence_data(nominal, nominal.data_root)
     config = lra_point_config(args.task, args.mixer, args.seed, args.size,
@@ -79,7 +81,7 @@ def _data_roots(items: list[str]) -> dict[str, str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.cli.sweep import continue_command, execute
+    from flarepp.cli.sweep import execute
     from flarepp.experiments.studies import lra_study
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
@@ -88,8 +90,7 @@ def _compare(args: argparse.Namespace) -> int:
     check_output(args.out, directory=True)
     study = lra_study(tasks, mixers, seeds=args.seeds, size=args.size,
                       data_roots=_data_roots(args.data), steps=args.steps,
-                      split_limits=_limits(args.limit), overrides=args.set or [],
-                      continue_with=continue_command(args.out))
+                      split_limits=_limits(args.limit), overrides=args.set or [])
     code = execute(study, args.out, quiet=args.quiet,
                    runtime=[f"device={args.device}"] if args.device else None)
     table = Path(args.out) / "table.md"
@@ -111,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", help="run directory (default runs/lra-TASK[-tiny][-MIXER]-seedK)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
-    t.add_argument("--stop-after", type=int, metavar="EPOCHS",
+    t.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
                    help="stop after this many epochs (resume later with --resume)")
     t.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
     t.add_argument("--data-parallel", action="store_true",

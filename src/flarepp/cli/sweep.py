@@ -8,15 +8,10 @@ of them, ``flarepp sweep report DIR`` reports on any of them.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError
-
-
-def continue_command(out: str | Path) -> str:
-    return f"flarepp sweep --out {shlex.quote(str(out))}"
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
@@ -24,10 +19,9 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
     """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
-    from flarepp.experiments.engine import (StudyInterrupted, create_study, open_study,
-                                            run_study)
+    from flarepp.experiments.engine import StudyInterrupted, open_study, run_study
     from flarepp.experiments.reports import write_report
-    study = open_study(out) if study is None else create_study(out, study)
+    study = open_study(out) if study is None else study
     try:
         done = run_study(study, out, runtime=runtime,
                          log=(lambda _: None) if quiet else print)
@@ -69,7 +63,7 @@ def _sweep(args: argparse.Namespace) -> int:
         return execute(None, args.out, quiet=args.quiet, runtime=args.set or [],
                        report=args.report)
     study = sweep_study(args.preset or dict(axes)["preset"][0], axes, sets=args.set or [],
-                        data=args.data, continue_with=continue_command(args.out))
+                        data=args.data)
     return execute(study, args.out, quiet=args.quiet, report=args.report)
 
 

@@ -155,7 +155,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "all ranks), paper Appendix B")
     p.set_defaults(func=_train)
 
-    e = sub.add_parser("eval", help="metrics of a checkpoint (EMA weights) on its data")
+    e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help="write the metrics here (same keys as metrics.json)")

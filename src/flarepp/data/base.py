@@ -182,12 +182,21 @@ class Normalizer:
     def decode(self, a):
         return a * self._like(self.std, a) + self._like(self.mean, a)
 
-    @staticmethod
-    def _like(stat: np.ndarray, a):
+    def _like(self, stat: np.ndarray, a):
+        """``stat`` as a tensor of ``a``'s dtype and device, made once per (dtype, device):
+        on a GPU a fresh copy from host memory in every loss would also wait for the
+        device's queued work."""
         if isinstance(a, np.ndarray):
             return stat
         import torch
-        return torch.as_tensor(stat, dtype=a.dtype, device=a.device)
+        cache = self.__dict__.setdefault("_tensors", {})
+        key = (id(stat), a.dtype, a.device, type(a))
+        if key not in cache:
+            cache[key] = (stat, torch.as_tensor(stat, dtype=a.dtype, device=a.device))
+        return cache[key][1]
+
+    def __getstate__(self) -> dict:  # device tensors stay out of pickles (loader workers)
+        return {k: v for k, v in self.__dict__.items() if k != "_tensors"}
 
     def state_dict(self) -> dict[str, list[float]]:
         return {"mean": self.mean.tolist(), "std": self.std.tolist()}

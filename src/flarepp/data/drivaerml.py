@@ -20,9 +20,10 @@ Shape letters: N cells of one surface, P its points, K vertices of one polygon.
 * **Cache.** Reading an 8.8M-cell ``.vtp`` takes far longer than a training step, so each car
   is converted once into ``<cache>/run_<i>/`` holding ``centres.npy`` [N, 3], ``normals.npy``
   [N, 3], ``fields.npy`` [N, 4] (float32) and ``meta.json``, written through temporary files
-  and renames, ``meta.json`` last. ``meta.json`` records the source file's size and
-  modification time and the array names, so a changed source (or other field names) is
-  converted again; later loads open the arrays with ``numpy.load(mmap_mode="r")``.
+  and renames, ``meta.json`` last. ``meta.json`` records the source file's size, its
+  modification time, a hash of its header and of blocks sampled through it
+  (:func:`sampled_digest`: an edited file whose size and time were restored is seen too) and
+  the array names, so a changed source (or other field names) is converted again; later loads open the arrays with ``numpy.load(mmap_mode="r")``.
 * **Statistics** of the training split (bounding box of the centres, per-channel mean and
   std of the targets over every training cell) are computed streaming, chunk by chunk, in
   float64 with the pairwise update of Chan, Golub & LeVeque (1979), and cached as JSON.
@@ -163,11 +164,60 @@ def read_vtp(path: str | Path, arrays: Sequence[str] | None = None) -> SurfacePo
             raise DataError(f"{path}: cell array {name!r} has {len(values)} values for "
                             f"{n_cells} cells")
         cell_arrays[name] = values
-    return SurfacePolygons(
+    surface = SurfacePolygons(
         points=numpy_support.vtk_to_numpy(polydata.GetPoints().GetData()),
         offsets=numpy_support.vtk_to_numpy(polys.GetOffsetsArray()).astype(np.int64),
         connectivity=numpy_support.vtk_to_numpy(polys.GetConnectivityArray()).astype(np.int64),
         cell_arrays=cell_arrays)
+    check_cells(surface, path)
+    return surface
+
+
+DIGEST_EDGE = 1 << 16     # bytes hashed at each end of a file (a VTK XML header is smaller)
+DIGEST_BLOCKS = 64        # blocks hashed between the ends
+DIGEST_BLOCK = 1 << 12
+
+
+def sampled_digest(path: str | Path) -> str:
+    """SHA-256 of a file's size, its first and last 64 KiB and 64 blocks of 4 KiB spaced
+    evenly between them: about 0.4 MiB read whatever the size (a DrivAerML surface is ~1
+    GB). Every byte of a file up to 384 KiB is hashed; in a larger one, an edit that misses
+    the header, the tail and the sampled blocks and keeps the size and modification time
+    goes unseen."""
+    path = Path(path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(DIGEST_EDGE))
+        inner = max(size - 2 * DIGEST_EDGE, 0)
+        for k in range(DIGEST_BLOCKS if inner > DIGEST_BLOCKS * DIGEST_BLOCK else 0):
+            f.seek(DIGEST_EDGE + inner * k // DIGEST_BLOCKS)
+            digest.update(f.read(DIGEST_BLOCK))
+        if inner <= DIGEST_BLOCKS * DIGEST_BLOCK:   # small: hash the middle whole
+            digest.update(f.read(inner))
+        f.seek(max(size - DIGEST_EDGE, DIGEST_EDGE))
+        digest.update(f.read(DIGEST_EDGE))
+    return digest.hexdigest()[:32]
+
+
+def check_cells(surface: SurfacePolygons, path: str | Path) -> None:
+    """Raise ``DataError`` naming ``path`` unless the offsets delimit every cell's vertices
+    in the connectivity and every vertex index is one of the file's points: VTK reads a
+    corrupt index as is, and numpy would take -1 as the last point and fail on one too large
+    with a bare ``IndexError``."""
+    offsets, connectivity = surface.offsets, surface.connectivity
+    n_points = len(surface.points)
+    if (offsets[0] != 0 or offsets[-1] != len(connectivity)
+            or (np.diff(offsets) < 0).any()):
+        raise DataError(f"{path}: the polygon offsets do not delimit the {len(connectivity)} "
+                        f"connectivity entries (corrupt file)")
+    outside = (connectivity < 0) | (connectivity >= n_points)
+    if outside.any():
+        first = int(np.flatnonzero(outside)[0])
+        cell = int(np.searchsorted(offsets, first, side="right")) - 1
+        raise DataError(f"{path}: cell {cell} refers to point {int(connectivity[first])}, but "
+                        f"the file's points are numbered 0 to {n_points - 1} "
+                        f"({int(outside.sum())} such vertex index(es); corrupt connectivity)")
 
 
 def write_vtp(path: str | Path, surface: SurfacePolygons, field_data: dict | None = None) -> Path:
@@ -407,6 +457,7 @@ class DrivAerMLSurfaces:
         stat = source.stat()
         return {"format": CACHE_FORMAT, "source": str(source.resolve()),
                 "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
+                "source_digest": sampled_digest(source),
                 "arrays": [self.pressure_array, self.wall_shear_array]}
 
     def load(self, car: str) -> SurfaceCar:

@@ -36,6 +36,7 @@ the encoder's R times; with this convention nothing is ever counted twice.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
@@ -43,6 +44,17 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from flarepp.ops import encode_with_lse
+
+
+DEBUG_CHECKS = "FLAREPP_DEBUG_CHECKS"
+"""Environment switch (``1``) for the consistency checks that cost a host sync or a
+collective per call: the ranks' agreement on the encoder's shapes, the streamed queries'
+agreement across chunks. Off by default: they sit inside every forward pass."""
+
+
+def debug_checks() -> bool:
+    """Whether :data:`DEBUG_CHECKS` is on (read at each call, so a test can switch it)."""
+    return os.environ.get(DEBUG_CHECKS, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -112,23 +124,28 @@ class _MergeAcrossRanks(torch.autograd.Function):
 
 
 def merge_across_ranks(z_r_BHMD: torch.Tensor, lse_r_BHM: torch.Tensor,
-                       group: dist.ProcessGroup, *, check_shapes: bool = True
+                       group: dist.ProcessGroup, *, check_shapes: bool | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact, differentiable merge of per-rank partial encodes ``(Z_r, L_r)`` (eq. 33)."""
-    return _MergeAcrossRanks.apply(z_r_BHMD, lse_r_BHM, group, check_shapes)
+    """Exact, differentiable merge of per-rank partial encodes ``(Z_r, L_r)`` (eq. 33).
+
+    ``check_shapes`` (default: :func:`debug_checks`) first all-reduces the shapes and
+    dtypes and compares them on the host."""
+    check = debug_checks() if check_shapes is None else check_shapes
+    return _MergeAcrossRanks.apply(z_r_BHMD, lse_r_BHM, group, check)
 
 
 def distributed_encode_with_lse(q_BHMD: torch.Tensor, k_BHND: torch.Tensor,
                                 v_BHND: torch.Tensor, mask_BN: torch.Tensor | None = None, *,
                                 group: dist.ProcessGroup, scale: float | None = None,
-                                check_shapes: bool = True
+                                check_shapes: bool | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact encode over the union of every rank's tokens: ``(Z, L)``, replicated.
 
     ``k``, ``v`` and ``mask`` hold this rank's tokens (``N_r`` may differ across ranks and
     may be 0); ``q`` must be the same on every rank. A row with no real key on any rank
-    gives ``Z = 0``, ``L = -inf``. ``check_shapes`` adds one tiny all-reduce that turns a
-    shape or dtype mismatch between ranks into an error instead of a wrong result.
+    gives ``Z = 0``, ``L = -inf``. ``check_shapes`` (default: on under
+    :data:`DEBUG_CHECKS`) adds one tiny all-reduce and a host sync that turn a shape or
+    dtype mismatch between ranks into an error instead of a wrong result or a hang.
     """
     z_r, lse_r = encode_with_lse(q_BHMD, k_BHND, v_BHND, mask_BN, scale=scale)
     return merge_across_ranks(z_r, lse_r, group, check_shapes=check_shapes)

@@ -47,7 +47,7 @@ class ContextParallelBackend(AttentionBackend):
 
     name = "context-parallel"
 
-    def __init__(self, group: dist.ProcessGroup, *, check_shapes: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, check_shapes: bool | None = None) -> None:
         self.group = group
         self.check_shapes = check_shapes
 
@@ -198,13 +198,15 @@ class ContextParallel:
 
 
 def context_parallel(model: nn.Module, group: dist.ProcessGroup, *,
-                     sync_parameters: bool = True, check_shapes: bool = True
+                     sync_parameters: bool = True, check_shapes: bool | None = None
                      ) -> ContextParallel:
     """Shard ``model``'s tokens over ``group`` (paper App. B); returns a handle.
 
     Collective: every rank of ``group`` must call it. Raises ``ValueError`` if the model
     holds a mixer that cannot be token-sharded exactly or if the ranks' models differ;
-    ``sync_parameters`` then copies group rank 0's weights to all ranks.
+    ``sync_parameters`` then copies group rank 0's weights to all ranks. ``check_shapes``
+    (default: on under ``FLAREPP_DEBUG_CHECKS=1`` only, as it costs an all-reduce and a
+    host sync per encode) makes ranks that disagree on the batch fail with an error.
     """
     check_token_shardable(model, "context_parallel")
     check_replicas(model, group)

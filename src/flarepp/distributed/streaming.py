@@ -71,7 +71,7 @@ from torch import nn
 from tqdm import tqdm
 
 from flarepp.device import HOST
-from flarepp.distributed.encoder import merge_across_ranks
+from flarepp.distributed.encoder import debug_checks, merge_across_ranks
 from flarepp.distributed.shardable import (check_token_shardable, install_backend,
                                             restore_backends)
 from flarepp.ops import AttentionBackend, encode_with_lse, merge_partials
@@ -104,6 +104,7 @@ class StreamingBackend(AttentionBackend):
         self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # running (Z, L)
         self.partial_query: torch.Tensor | None = None
         self.partial_dtype: torch.dtype | None = None  # the dtype encode() would return
+        self.query_drift: dict[int, torch.Tensor] = {}  # encode -> "queries changed", on device
 
     @property
     def target(self) -> int:
@@ -111,6 +112,7 @@ class StreamingBackend(AttentionBackend):
         return len(self.latents)
 
     def start_block(self) -> None:
+        self.check_queries()
         self.latents, self.queries = [], []
         self.partial, self.partial_query = None, None
 
@@ -119,12 +121,35 @@ class StreamingBackend(AttentionBackend):
 
     def _check_query(self, q: torch.Tensor, reference: torch.Tensor, index: int) -> None:
         # The latents of encode `index` are only valid for the queries they were computed
-        # with; queries that vary between chunks mean the model is not streamable.
-        if q.shape != reference.shape or not torch.allclose(q, reference, rtol=1e-5,
-                                                            atol=1e-6):
-            raise RuntimeError(f"streaming: encode {index} received different queries in "
-                               "different chunks; its queries depend on the chunk's tokens "
-                               "outside the latent encodes, so the model cannot be streamed")
+        # with; queries that vary between chunks mean the model is not streamable. The
+        # comparison stays on the device (no host sync per chunk) and is read once per
+        # block by check_queries(); FLAREPP_DEBUG_CHECKS=1 reads it at once.
+        if q.shape != reference.shape:
+            self._queries_differ(index)
+        if debug_checks():
+            if not torch.allclose(q, reference, rtol=1e-5, atol=1e-6):
+                self._queries_differ(index)
+            return
+        drift = ~torch.isclose(q, reference, rtol=1e-5, atol=1e-6).all()
+        previous = self.query_drift.get(index)
+        self.query_drift[index] = drift if previous is None else previous | drift
+
+    def check_queries(self) -> None:
+        """Raise if an encode received different queries in different chunks (one sync)."""
+        if not self.query_drift:
+            return
+        indices = sorted(self.query_drift)
+        flags = torch.stack([self.query_drift[i] for i in indices]).tolist()
+        self.query_drift = {}
+        for index, differs in zip(indices, flags):
+            if differs:
+                self._queries_differ(index)
+
+    @staticmethod
+    def _queries_differ(index: int) -> None:
+        raise RuntimeError(f"streaming: encode {index} received different queries in "
+                           "different chunks; its queries depend on the chunk's tokens "
+                           "outside the latent encodes, so the model cannot be streamed")
 
     def held_encode(self, q):
         """The latents of the next encode when an earlier pass finished them, else ``None``;
@@ -278,6 +303,7 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
                 if index == 0:  # the registered models' blocks all run as many passes
                     bar.total = 2 + len(plan.blocks) * passes
                     bar.refresh()
+            backend.check_queries()
             y_BNO = None
             for sl in chunks:
                 y_c = plan.head(hidden[:, sl].to(device), _to(mask_BN, sl, device))

@@ -17,9 +17,10 @@ report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its direc
 
 One rule for "finished with this config" (:func:`point_state`): the run directory holds
 ``metrics.json``, its stored config computes what the point's config computes (runtime
-fields aside) and its checkpoint's data fingerprint equals that of the data at the point's
-``data_root`` now (:mod:`flarepp.data.fingerprint`); a finished run of another config is an
-error, never a stale table entry; a finished run of other data is not reused.
+fields and the data's path aside) and its checkpoint's data fingerprint equals that of the
+data at the point's ``data_root`` now (:mod:`flarepp.data.fingerprint`); a finished run of
+another config is an error, never a stale table entry; a finished run of other data is
+not reused.
 
 One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
 is final -- ``failed.json`` records it, the point is not retried, the report shows it.
@@ -88,15 +89,16 @@ class Point:
 class Study:
     """What a study directory holds (module docstring). ``kind`` names the command that
     made it; ``reports`` the report plug-ins; ``info`` facts the reports state (read from
-    the data when the study was made); ``continue_with`` the command that continues it;
-    ``timing_epochs`` > 0 gives every point a separate timing run first (Figure 5's cost)."""
+    the data when the study was made); ``timing_epochs`` > 0 gives every point a separate
+    timing run first (Figure 5's cost); ``continue_with`` the command that continues it
+    (set by :func:`create_study`)."""
 
     kind: str
     points: list[Point]
     reports: list[str]
-    continue_with: str
     info: dict[str, Any] = field(default_factory=dict)
     timing_epochs: int = 0
+    continue_with: str = ""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.points]
@@ -114,7 +116,8 @@ class Study:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Study":
         return cls(d["kind"], [Point.from_dict(p) for p in d["points"]], list(d["reports"]),
-                   d["continue_with"], dict(d.get("info", {})), int(d.get("timing_epochs", 0)))
+                   dict(d.get("info", {})), int(d.get("timing_epochs", 0)),
+                   d.get("continue_with", ""))
 
     def identity(self) -> dict[str, Any]:
         """What the study computes: its points' names, labels and config identities (runtime
@@ -124,12 +127,13 @@ class Study:
             "points": [[p.name, p.labels, p.config.identity()] for p in self.points]}))
 
 
-def resolve_paths(study: Study) -> Study:
-    """Every point's ``data_root`` as an absolute path (relative to this process's cwd)."""
+def resolve_paths(study: Study, out_dir: Path) -> Study:
+    """Every point's ``data_root`` as an absolute path (relative to this process's cwd),
+    and the command that continues the study in ``out_dir``."""
     points = [dataclasses.replace(p, config=dataclasses.replace(
         p.config, data_root=str(Path(p.config.data_root).expanduser().resolve())))
               for p in study.points]
-    return dataclasses.replace(study, points=points)
+    return dataclasses.replace(study, points=points, continue_with=continue_command(out_dir))
 
 
 @contextlib.contextmanager
@@ -148,7 +152,7 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
     """The study of ``out_dir``: ``study`` (paths resolved) written there if the directory
     holds none, else the stored one when it computes the same; another is refused."""
     out_dir = Path(out_dir)
-    study = resolve_paths(study)
+    study = resolve_paths(study, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with _creation_lock(out_dir):
         path = out_dir / STUDY_NAME
@@ -165,7 +169,7 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
 
 def _difference(stored: Study, mine: Study) -> str:
     if stored.kind != mine.kind:
-        return f"made by `{stored.continue_with}`"
+        return f"a {stored.kind} study, not a {mine.kind} one"
     old = {p.name: p for p in stored.points}
     new = {p.name: p for p in mine.points}
     if set(old) != set(new):
@@ -181,9 +185,21 @@ def _difference(stored: Study, mine: Study) -> str:
     return "other labels or timing runs"
 
 
+def continue_command(out_dir: str | Path) -> str:
+    """The command that continues (or joins) the study of ``out_dir``, whatever made it."""
+    import shlex
+    return f"flarepp sweep --out {shlex.quote(str(out_dir))}"
+
+
 def open_study(out_dir: str | Path) -> Study:
+    """The study stored in ``out_dir`` (a sweep or Pareto study an earlier flarepp stored
+    as ``sweep.json`` / ``pareto.json`` is converted once: :mod:`.studies`)."""
     path = Path(out_dir) / STUDY_NAME
     if not path.exists():
+        from flarepp.experiments.studies import legacy_study
+        legacy = legacy_study(out_dir)
+        if legacy is not None:
+            return create_study(out_dir, legacy)
         raise FileNotFoundError(f"{str(path)!r} does not exist: no study was started in "
                                 f"{str(out_dir)!r}")
     return Study.from_dict(json.loads(path.read_text()))
@@ -279,7 +295,10 @@ def point_state(out_dir: Path, point: Point,
     metrics_path = directory / "metrics.json"
     if metrics_path.is_file():
         stored = RunConfig.from_dict(json.loads((directory / "config.json").read_text()))
-        a, b = stored.identity(), point.config.identity()
+        # the data is compared by content below: its path may differ (moved, or stored
+        # unresolved by an earlier flarepp)
+        a, b = ({k: v for k, v in c.identity().items() if k != "data_root"}
+                for c in (stored, point.config))
         if a != b:
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             raise StudyConflict(f"{str(directory)!r} holds a finished run of a different "
@@ -385,7 +404,8 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
 
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
               log: Callable[[str], None] = print) -> dict[str, list[str]]:
-    """Train every point of ``study`` that is neither finished nor held by another process.
+    """Train every point of ``study`` that is neither finished nor held by another process
+    (the study is created in ``out_dir`` first, or joined: :func:`create_study`).
 
     ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
     only. Returns this process's point names by outcome: ``finished``, ``failed``,
@@ -397,6 +417,7 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
             raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
                              "may differ between the processes of a study")
     out_dir = Path(out_dir)
+    study = create_study(out_dir, study)
     fingerprints = DataFingerprints()
     done: dict[str, list[str]] = {k: [] for k in ("finished", "failed", "error", "skipped",
                                                    "reused")}
@@ -449,7 +470,7 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DataFingerprints", "Point", "PointState", "Study", "StudyConflict",
+__all__ = ["DataFingerprints", "continue_command", "Point", "PointState", "Study", "StudyConflict",
            "StudyInterrupted", "create_study", "open_study", "point_state", "read_events",
            "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
            "train_point"]

@@ -3,8 +3,11 @@
 :func:`collect` reads a study's directory into one row per point: its labels, ``status``
 (``done``, ``failed`` or ``pending``), ``error`` (why it failed, or the last error that
 left it pending), the task's own metric (``metric`` = the task's ``headline``; ``value``
-its test value, ``train_value`` its train value where the task evaluates one) and the
-config facts every table states (mixer, depth, latents, precision, seed, SDPA scale).
+its test value, ``train_value`` its train value where the task evaluates one, both of the
+weights named in ``weights``; ``value_raw`` and ``value_ema`` the test values of the raw
+and the EMA weights where the run stored them; a run written before both were stored
+reported only EMA) and the config facts every table states (mixer, depth, latents,
+precision, seed, SDPA scale).
 
 :func:`aggregate` is the one seed aggregation: mean, sample standard deviation (ddof 1;
 NaN for one run) and count per group of finished runs.
@@ -53,6 +56,8 @@ def collect(out_dir: str | Path) -> tuple[Study, list[dict[str, Any]]]:
         model = config.model_kwargs()
         state = point_state(out_dir, point)
         metrics = state.metrics or {}
+        weights = metrics.get("eval_weights", "ema" if metrics else None)
+        test = f"test_{task.headline}"
         row: dict[str, Any] = {
             "point": point.name, "mixer": model.get("mixer", model.get("arch", "surrogate")),
             "blocks": model.get("blocks"), "latents": model.get("latents"),
@@ -63,6 +68,9 @@ def collect(out_dir: str | Path) -> tuple[Study, list[dict[str, Any]]]:
             "value": metrics.get(f"test_{task.headline}"),
             "train_value": metrics.get(f"train_{task.headline}"),
             f"test_{task.headline}": metrics.get(f"test_{task.headline}"),
+            "weights": weights, "value_raw": metrics.get(f"{test}_raw"),
+            "value_ema": metrics.get(f"{test}_ema",
+                                     metrics.get(test) if weights == "ema" else None),
             **{k: metrics.get(k) for k in ("params", "seconds", "epochs", "device")}}
         if state.status == "done" and not finite(row["value"]):
             row.update(status="failed", error=f"test {task.headline} is {row['value']}")
@@ -158,19 +166,25 @@ def runs_report(rep: Report) -> None:
              else "")
     rep.lines += [f"Points: {len(rep.rows)} ({counts['done']} done, {counts['failed']} failed, "
                   f"{counts['pending']} pending). Metric: the task's own, test "
-                  f"`{rep.metric_name()}` ({sense}; train in brackets where evaluated); "
+                  f"`{rep.metric_name()}` ({sense}; train in brackets where evaluated) of the "
+                  "weights each run names (`weights`, config `eval_weights`; raw and EMA "
+                  "beside it where stored); "
                   "`sdpa_scale` is the SDPA scale each run's mixer used (config `attn_scale`).",
                   "", "## Every run", ""]
     keys = [k for k in rep.label_keys if k not in ("mixer",)]
+    both = any(finite(r.get("value_raw")) for r in rep.rows)
     body = []
     for r in rep.rows:
         value = fmt(r["value"]) + (f" ({fmt(r['train_value'])})" if finite(r["train_value"])
                                    else "")
+        weights = ([r.get("weights") or "-", fmt(r.get("value_raw")), fmt(r.get("value_ema"))]
+                   if both else [])
         error = (r["error"] or "")[:160].replace("|", "/").replace("\n", " ")
         body.append([r["point"], r["mixer"], *[r.get(k) for k in keys], r["sdpa_scale"],
-                     r["status"], value, r.get("params") or "-", error])
+                     r["status"], value, *weights, r.get("params") or "-", error])
     rep.lines += markdown(["point", "mixer", *keys, "sdpa_scale", "status",
-                           f"test {rep.metric_name()}", "params", "error"], body)
+                           f"test {rep.metric_name()}", *(["weights", "raw", "EMA"] if both
+                                                          else []), "params", "error"], body)
 
 
 @REPORTS.register("seeds", doc="Table 11: mean ± sample std over seeds of every other "
@@ -183,12 +197,18 @@ def seeds_report(rep: Report) -> None:
     rep.lines += ["", "## Over seeds (Table 11)", "",
                   f"Test (train) `{rep.metric_name()}`: mean ± sample standard deviation over "
                   "seeds of the finished runs.", ""]
+    both = any(finite(r.get("value_raw")) for g in groups for r in g.rows)
     body = []
     for g in groups:
         test, train = g.stats("value"), g.stats("train_value")
+        named = "/".join(sorted({str(r.get("weights")) for r in g.rows}))  # mixed: flagged
+        weights = ([named, spread(*g.stats("value_raw")[:2]), spread(*g.stats("value_ema")[:2])]
+                   if both else [])
         body.append([*[g.key[k] for k in keys], g.key["sdpa_scale"], test[2],
-                     spread(*test[:2]), spread(*train[:2])])
-    rep.lines += markdown(keys + ["sdpa_scale", "seeds", "test", "train"], body)
+                     spread(*test[:2]), spread(*train[:2]), *weights])
+    rep.lines += markdown(keys + ["sdpa_scale", "seeds", "test", "train",
+                                  *(["weights", "test (raw)", "test (EMA)"] if both
+                                    else [])], body)
 
 
 def _figure():

@@ -85,8 +85,7 @@ def grid_names(axes: list[tuple[str, list[str]]]) -> list[tuple[str, tuple[tuple
 
 
 def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
-                sets: list[str] | None = None, data: str | None = None,
-                continue_with: str = "flarepp sweep --out DIR") -> Study:
+                sets: list[str] | None = None, data: str | None = None) -> Study:
     """A point per grid point: ``preset`` (or the point's ``preset`` axis value) with
     ``sets``, then ``data`` as its ``data_root``, then the point's axis values (so a
     ``data_root`` axis wins over ``data``). Every config is checked here."""
@@ -101,7 +100,7 @@ def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
             base = dataclasses.replace(base, data_root=str(data))
         config = apply_overrides(base, [f"{k}={v}" for k, v in values if k != "preset"])
         points.append(Point(name, config, dict(values)))
-    return Study("sweep", points, ["runs", "seeds", "depth", "precision"], continue_with,
+    return Study("sweep", points, ["runs", "seeds", "depth", "precision"],
                  info={"preset": preset, "axes": [[k, v] for k, v in axes]})
 
 
@@ -117,8 +116,7 @@ def preset_name(dataset: str, scale: str) -> str:
 
 def compare_study(models: list[str], datasets: list[str], *, epochs: int | None = None,
                   seeds: int = 1, scale: str = "tiny", data_root: str | Path | None = None,
-                  overrides: list[str] | None = None,
-                  continue_with: str = "the same flarepp compare command") -> Study:
+                  overrides: list[str] | None = None) -> Study:
     """Table 1: each model on each dataset's preset (``DATASET-tiny`` or the paper's), its
     Table 1 keywords (:mod:`.comparison`), each seed. ``data_root`` holds one directory per
     dataset (default: each preset's ``data_root``); ``epochs`` wins over ``overrides``."""
@@ -134,9 +132,10 @@ def compare_study(models: list[str], datasets: list[str], *, epochs: int | None 
         base = get_preset(preset_name(dataset, scale), overrides)
         root = Path(data_root) / dataset if data_root is not None else Path(base.data_root)
         if not root.exists():
+            from flarepp.data.generators import how_to_get
             raise FileNotFoundError(
-                f"data for {dataset!r} not found at {str(root)!r}; make it with "
-                f"`flarepp data make {dataset} --out {root}` or pass --data-root")
+                f"data for {dataset!r} not found at {str(root)!r}; "
+                f"{how_to_get(base.dataset, str(root))}, or pass --data-root")
         n_points[dataset] = load_dataset(base.dataset, root, **base.dataset_options
                                          ).train.n_points
         settings = {k: base.model[k] for k in ("dim", "heads", "blocks", "latents")}
@@ -148,7 +147,7 @@ def compare_study(models: list[str], datasets: list[str], *, epochs: int | None 
                     epochs=epochs or base.epochs)
                 points.append(Point(f"{dataset}/{model}/seed{seed}", config,
                                     {"model": model, "dataset": dataset, "seed": seed}))
-    return Study("compare", points, ["runs", "table1"], continue_with,
+    return Study("compare", points, ["runs", "table1"],
                  info={"n_points": n_points})
 
 
@@ -176,18 +175,18 @@ def lra_point_config(task: str, mixer: str, seed: int, size: str, *, steps: int 
 
 def lra_study(tasks: list[str], mixers: list[str], *, seeds: int = 3, size: str = "tiny",
               data_roots: dict[str, str] | None = None, steps: int | None = None,
-              split_limits: dict[str, int] | None = None, overrides: list[str] | None = None,
-              continue_with: str = "the same flarepp lra compare command") -> Study:
+              split_limits: dict[str, int] | None = None,
+              overrides: list[str] | None = None) -> Study:
     """Table 12: tasks x mixers x seeds, seed-major (a complete one-seed table exists
     early). Each task's data is read here once: its training-split size sets the epochs
     of a step budget, and its chance level (1/K) and majority-class share are stated."""
     import numpy as np
 
-    from flarepp.data.lra import LRA_TASKS
+    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     from flarepp.mixers import MIXERS
     from flarepp.tasks.sequence import load_sequence_data
     for task in tasks:
-        LRA_TASKS.entry(task)
+        LRA_BENCHMARKS.entry(task)
     for mixer in mixers:
         MIXERS.entry(mixer)
     if seeds <= 0:
@@ -221,7 +220,7 @@ def lra_study(tasks: list[str], mixers: list[str], *, seeds: int = 3, size: str 
                                           **options)
                 points.append(Point(f"{task}/{mixer}/seed{seed}", config,
                                     {"task": task, "mixer": mixer, "seed": seed}))
-    return Study("lra", points, ["runs", "lra"], continue_with, info={"tasks": facts})
+    return Study("lra", points, ["runs", "lra"], info={"tasks": facts})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +231,7 @@ ANCHOR_MIXER = "abupt"
 
 def pareto_study(base: RunConfig, mixers: Sequence[str], blocks: Sequence[int],
                  latents: Sequence[int], seeds: Sequence[int], anchors: int, *,
-                 data: str | None = None, timing_epochs: int = 2,
-                 continue_with: str = "flarepp drivaerml pareto --out DIR") -> Study:
+                 data: str | None = None, timing_epochs: int = 2) -> Study:
     """Each mixer at each depth, each latent budget (AB-UPT: ``anchors`` anchors instead,
     Table 9) and each seed; every point gets a separate timing run (its cost, Sec. D.4)."""
     if base.task != "surface":
@@ -258,9 +256,45 @@ def pareto_study(base: RunConfig, mixers: Sequence[str], blocks: Sequence[int],
                                         {"mixer": mixer, "blocks": b, "seed": seed,
                                          "budget": (f"{anchors} anchors" if m is None
                                                     else f"M={m}")}))
-    return Study("pareto", points, ["runs", "cost"], continue_with,
-                 info={"preset": base.name}, timing_epochs=timing_epochs)
+    return Study("pareto", points, ["runs", "cost"], info={"preset": base.name},
+                 timing_epochs=timing_epochs)
 
 
-__all__ = ["compare_study", "grid_names", "lra_point_config", "lra_study", "parse_axes",
-           "pareto_study", "preset_name", "split_values", "sweep_study"]
+# ---------------------------------------------------------------------------------------------
+# directories of an earlier flarepp
+
+
+def legacy_study(out_dir: str | Path) -> Study | None:
+    """The study of a directory an earlier ``flarepp sweep`` (``sweep.json``: base config,
+    axes, data) or ``drivaerml pareto`` (``pareto.json``: base, points, data) started, with
+    the same point names (its runs are found where they are); None without either."""
+    import json
+    out_dir = Path(out_dir)
+    for name in ("sweep.json", "pareto.json"):
+        if (out_dir / name).is_file():
+            stored = json.loads((out_dir / name).read_text())
+            break
+    else:
+        return None
+    base = dataclasses.replace(RunConfig.from_dict(stored["base"]),
+                               data_root=stored["data_root"])
+    if name == "sweep.json":
+        axes = [(k, list(v)) for k, v in stored["axes"]]
+        points = [Point(n, apply_overrides(base, [f"{k}={v}" for k, v in values]),
+                        dict(values)) for n, values in grid_names(axes)]
+        return Study("sweep", points, ["runs", "seeds", "depth", "precision"],
+                     info={"preset": base.name, "axes": [[k, v] for k, v in axes]})
+    points = []
+    for n, values in stored["points"]:
+        given = dict(values)
+        budget = (f"{given['model.mixer_options.anchors']} anchors"
+                  if "model.mixer_options.anchors" in given else f"M={given['model.latents']}")
+        points.append(Point(n, apply_overrides(base, [f"{k}={v}" for k, v in values]),
+                            {"mixer": given["model.mixer"], "blocks": int(given["model.blocks"]),
+                             "seed": int(given["seed"]), "budget": budget}))
+    return Study("pareto", points, ["runs", "cost"], info={"preset": base.name},
+                 timing_epochs=2)
+
+
+__all__ = ["compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study",
+           "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study"]

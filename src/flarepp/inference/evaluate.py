@@ -1,9 +1,19 @@
-"""Evaluating a checkpoint on any device: the task's metric of its EMA model on each split.
+"""Evaluating a checkpoint on any device: the task's metric of its raw and its EMA weights
+on each split, the run's ``eval_weights`` naming the headline.
 
 The model is rebuilt from the checkpoint alone, the task from the checkpoint's run config
 (reading the data from ``data_root``, by default the data the run trained on), and the
 task's normalisers are the checkpoint's (a model is always evaluated with the statistics it
 was trained with).
+
+Which weights are reported: the FLARE study writes its errors (``rel_error.json``, the
+``RelL2Callback`` of ``pdebench/callbacks.py`` in github.com/vpuri3/FLARE.py) from the raw
+weights; ``mlutils/trainer.py`` (``Trainer.statistics``) copies the EMA shadow into the
+model only to log the ``*_ema`` losses beside the raw ones, then restores the raw weights.
+flarepp evaluates both and stores both (:func:`weight_metrics`); ``eval_weights`` names the
+headline, ``raw`` by default, ``ema`` for runs stored before the field existed (they
+reported the EMA weights). The two agree after a full one-cycle run and differ in short
+ones, whose EMA copy still weighs the early weights.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from typing import Any
 import torch
 
 from flarepp.device import resolve_device
+from flarepp.storage.config import EVAL_WEIGHTS
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.tasks import Task, build_task
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
@@ -28,10 +39,33 @@ def run_data(state: dict[str, Any], config: RunConfig) -> str:
     return recorded if recorded and Path(recorded).exists() else config.data_root
 
 
+def weight_metrics(split: str, headline: str, by_weights: dict[str, dict[str, Any]],
+                   eval_weights: str) -> dict[str, Any]:
+    """The keys a run reports for ``split``: ``{split}_{headline}`` (the ``eval_weights``
+    weights' value), ``{split}_{headline}_raw`` and ``{split}_{headline}_ema``, from the
+    task's metrics of each weights (``by_weights["raw"]``, ``by_weights["ema"]``)."""
+    key = f"{split}_{headline}"
+    return {key: by_weights[eval_weights][headline],
+            **{f"{key}_{w}": by_weights[w][headline] for w in EVAL_WEIGHTS}}
+
+
+def evaluate_weights(engine: Engine, split: str, batch_size: int,
+                     models: dict[str, torch.nn.Module], *, same: bool = False
+                     ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """``{"raw": (metrics, records), "ema": (...)}`` of ``models["raw"]`` and
+    ``models["ema"]`` on ``split``. ``same``: the EMA copy is the raw weights (``ema_decay``
+    0), evaluated once."""
+    raw = engine.evaluate(models["raw"], split, batch_size)
+    return {"raw": raw, "ema": raw if same else engine.evaluate(models["ema"], split,
+                                                                 batch_size)}
+
+
 def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None,
-                        device: str | torch.device | None = "auto", ema: bool = True
+                        device: str | torch.device | None = "auto", ema: bool | None = None
                         ) -> tuple[torch.nn.Module, Task, RunConfig, dict[str, Any]]:
-    """``(model on device, task with the checkpoint's normalisers, config, state)``."""
+    """``(model on device, task with the checkpoint's normalisers, config, state)``; the
+    model's weights are the EMA ones, the raw ones, or (``ema=None``) those the run reports
+    (:func:`flarepp.storage.checkpoint.rebuild_model`)."""
     state = read_checkpoint(path)
     config = RunConfig.from_stored(state["config"])
     model = rebuild_model(state, path, ema=ema)
@@ -45,22 +79,27 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
                         device: str | torch.device | None = "auto",
                         chunk_size: int | None = None, parallel: ParallelPlan = SINGLE,
                         splits: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Metrics of a checkpoint's EMA model, keyed as in ``metrics.json``."""
+    """Metrics of a checkpoint's raw and EMA weights, keyed as in ``metrics.json``
+    (:func:`weight_metrics`; the headline is the run's ``eval_weights``)."""
     model, task, config, state = load_for_evaluation(path, data_root=data_root,
-                                                     device=device)
+                                                     device=device, ema=False)
     device = next(model.parameters()).device
+    models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
     engine = Engine(task, device, config.precision, plan=parallel, chunk_size=chunk_size,
                     workers=config.workers(device.type))
     if parallel.cp_group is not None:
         from flarepp.distributed import context_parallel
-        context_parallel(model, parallel.cp_group)
+        for each in models.values():
+            context_parallel(each, parallel.cp_group)
     metrics: dict[str, Any] = {}
     for split in splits or task.eval_splits:
-        result, _ = engine.evaluate(model, split, task.eval_batch_size())
-        metrics[f"{split}_{task.headline}"] = result[task.headline]
-        if "zero_target_samples" in result:
-            metrics[f"{split}_zero_target_samples"] = result["zero_target_samples"]
-    metrics.update({"epochs": int(state["epoch"]),
+        results = evaluate_weights(engine, split, task.eval_batch_size(), models,
+                                   same=config.ema_decay == 0)
+        by_weights = {w: result for w, (result, _) in results.items()}
+        metrics.update(weight_metrics(split, task.headline, by_weights, config.eval_weights))
+        if "zero_target_samples" in by_weights["raw"]:
+            metrics[f"{split}_zero_target_samples"] = by_weights["raw"]["zero_target_samples"]
+    metrics.update({"eval_weights": config.eval_weights, "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),
                     "device": str(device), "checkpoint": str(path)})
     return metrics
@@ -70,10 +109,11 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
                              data_root: str | Path | None = None,
                              device: str | torch.device | None = "auto",
                              chunk_size: int | None = None) -> dict[str, Any]:
-    """Evaluate a checkpoint's EMA model on the task's first evaluation split and write the
-    files a finished run leaves for its figures (``Task.write_outputs``: test predictions,
-    the figure's case) into ``out_dir``; returns that split's metrics. ``flarepp plot``
-    uses it for a run stopped before its end."""
+    """Evaluate a checkpoint's headline weights (the run's ``eval_weights``) on the task's
+    first evaluation split and write the files a finished run leaves for its figures
+    (``Task.write_outputs``: test predictions, the figure's case) into ``out_dir``; returns
+    that split's headline metric. ``flarepp plot`` uses it for a run stopped before its
+    end."""
     model, task, config, _state = load_for_evaluation(path, data_root=data_root,
                                                       device=device)
     device = next(model.parameters()).device
@@ -87,5 +127,5 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
     return {f"{split}_{task.headline}": result[task.headline]}
 
 
-__all__ = ["evaluate_checkpoint", "load_for_evaluation",
+__all__ = ["evaluate_checkpoint", "evaluate_weights", "load_for_evaluation", "weight_metrics",
            "write_checkpoint_outputs"]

@@ -70,8 +70,9 @@ def write_case_predictions(path: Path, results: Iterable[dict[str, Any]]) -> lis
 
 def predict_car(run_dir: Path, car: str, *, chunk_size: int | None = None,
                      device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
-    """``(prediction, reference, .vtp)`` of test car ``car`` by a finished run's final EMA
-    model, in m^2/s^2 (streamed in chunks of ``chunk_size`` cells when given)."""
+    """``(prediction, reference, .vtp)`` of test car ``car`` by a finished run's final
+    model (the weights the run reports, ``eval_weights``), in m^2/s^2 (streamed in chunks
+    of ``chunk_size`` cells when given)."""
     from flarepp.inference.batching import to_device
     checkpoint = json.loads((Path(run_dir) / "metrics.json").read_text())["checkpoint"]
     model, task, config, _ = load_for_evaluation(checkpoint, device=device)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -29,15 +28,14 @@ from flarepp.models.backbone import StreamingPlan, SurrogateConfig, SurrogateMod
 class LunaSurrogateConfig(SurrogateConfig):
     """The backbone settings (Tables 7-8); the mixer is always ``"luna"``."""
 
+    arch = "luna"
+
     mixer: str = "luna"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.mixer != "luna":
             raise ValueError(f"arch 'luna' always uses the 'luna' mixer, got mixer={self.mixer!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "arch": "luna"}
 
 
 class LunaSurrogate(SurrogateModel):

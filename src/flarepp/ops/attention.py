@@ -55,8 +55,14 @@ def _cast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
-def _key_mask(mask_BN: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask_BN is None else mask_BN[:, None, None, :]
+def _keyless_safe(mask_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key mask [B, 1, 1, N], has_key [B])`` with a sample that has no real token
+    given every key instead, so that no kernel sees a row without a key: CUDA's
+    memory-efficient kernel returns NaN there and its backward multiplies that NaN by the
+    zero cotangent of the row, which the output's ``masked_fill`` does not stop. The
+    caller zeroes such samples' outputs, which also zeroes their gradients."""
+    has_key = mask_BN.any(dim=-1)
+    return (mask_BN | ~has_key[:, None])[:, None, None, :], has_key
 
 
 def encode(q_BHMD: torch.Tensor, k_BHND: torch.Tensor, v_BHND: torch.Tensor,
@@ -64,10 +70,11 @@ def encode(q_BHMD: torch.Tensor, k_BHND: torch.Tensor, v_BHND: torch.Tensor,
     """``Z = softmax_N(s Q K^T) V`` over the real tokens; ``[B, H, M, D]``."""
     q, k, v = _cast(q_BHMD, k_BHND, v_BHND)
     s = default_scale(q.shape[-1], scale)
-    z = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_mask(mask_BN), scale=s)
-    if mask_BN is not None:  # a sample with no real token: Z = 0 on every backend
-        z = z.masked_fill(~mask_BN.any(dim=-1)[:, None, None, None], 0.0)
-    return z
+    if mask_BN is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=s)
+    key_mask, has_key = _keyless_safe(mask_BN)
+    z = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=s)
+    return z.masked_fill(~has_key[:, None, None, None], 0.0)  # no real token: Z = 0
 
 
 def decode(k_BHND: torch.Tensor, q_BHMD: torch.Tensor, z_BHMD: torch.Tensor,
@@ -87,10 +94,11 @@ def self_attention(q_BHND: torch.Tensor, k_BHND: torch.Tensor, v_BHND: torch.Ten
     """Full softmax attention among the real tokens (the quadratic reference mixer)."""
     q, k, v = _cast(q_BHND, k_BHND, v_BHND)
     s = default_scale(q.shape[-1], scale)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_mask(mask_BN), scale=s)
-    if mask_BN is not None:
-        y = y.masked_fill(~mask_BN[:, None, :, None], 0.0)
-    return y
+    if mask_BN is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=s)
+    key_mask, _ = _keyless_safe(mask_BN)  # padded queries' rows are zeroed below
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=s)
+    return y.masked_fill(~mask_BN[:, None, :, None], 0.0)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -281,7 +281,8 @@ def remove_stale_temporaries(out_dir: str | Path) -> list[Path]:
 
 @dataclass
 class TrainedModel:
-    """What inference needs: the model (EMA weights), normalizers and the run config."""
+    """What inference needs: the model (by default the weights the run reports),
+    normalizers and the run config."""
 
     model: nn.Module
     config: RunConfig
@@ -292,9 +293,14 @@ class TrainedModel:
     units: str
 
 
-def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool = True) -> nn.Module:
+def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None = None
+                  ) -> nn.Module:
     """The one way to rebuild a trained model: its architecture from the checkpoint's
-    ``model_config`` alone, then its EMA (default) or live weights, in eval mode on the CPU."""
+    ``model_config`` alone, then its EMA or live (raw) weights, in eval mode on the CPU.
+    ``ema=None`` takes the weights whose errors the run reports (``eval_weights`` of its
+    config; EMA for runs stored before that field existed)."""
+    if ema is None:
+        ema = RunConfig.from_stored(state["config"]).eval_weights == "ema"
     model = model_from_config(state["model_config"])
     try:
         model.load_state_dict(state["ema"] if ema else state["model"])
@@ -304,8 +310,9 @@ def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool = True) 
     return model.eval()
 
 
-def load_trained_model(path: str | Path, *, ema: bool = True) -> TrainedModel:
-    """Rebuild the model from a checkpoint alone (EMA weights by default)."""
+def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
+    """Rebuild the model from a checkpoint alone (by default with the weights the run
+    reports, :func:`rebuild_model`)."""
     state = read_checkpoint(path)
     norms = state["normalizers"]
     if not (isinstance(norms, dict) and "x" in norms and "y" in norms):
@@ -325,8 +332,10 @@ def load_trained_model(path: str | Path, *, ema: bool = True) -> TrainedModel:
                         data.get("units", ""))
 
 
-def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool = True) -> nn.Module:
-    """The token decoder of a checkpoint (EMA weights by default), on ``device``, eval mode."""
+def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None = None
+                   ) -> nn.Module:
+    """The token decoder of a checkpoint (by default with the weights the run reports,
+    :func:`rebuild_model`), on ``device``, eval mode."""
     from flarepp.models.causal_lm import CausalLM
     state = read_checkpoint(path)
     model = rebuild_model(state, path, ema=ema)

@@ -47,7 +47,7 @@ FILE_SECTIONS: dict[str, tuple[str, ...]] = {
     "protocol": ("loss", "grad_loss_weight", "input_norm", "weight_decay_groups",
                  "momentum_cycle", "attn_scale", "precision", "eval_weights"),
     "runtime": ("device", "compile", "loader_workers", "eval_chunk_size", "checkpoint_every",
-                "eval_every", "plot_cases"),
+                "eval_every", "plot_cases", "keep_checkpoints"),
 }
 """How ``config.json`` groups the fields beside ``name``, ``task``, ``seed`` and ``model``
 (the model section is the ``model`` field itself)."""
@@ -110,6 +110,10 @@ class RunConfig:
     * ``attn_scale``: the SDPA scale of mixers whose ``model`` does not set one:
       ``reference`` (:data:`REFERENCE_ATTN_SCALE`: 1.0 for FLARE, 1/sqrt(D) for the rest),
       ``sqrt`` (1/sqrt(D) everywhere), or a number.
+    * ``eval_weights``: the weights whose errors are the headline, ``raw`` (the trained
+      weights: the study writes its errors from them and evaluates its EMA copy only
+      beside them) or ``ema`` (their moving average; flarepp's earlier headline). Both
+      are evaluated and stored either way (:mod:`flarepp.train.loop`).
 
     ``task`` names the registered task (:mod:`flarepp.tasks`). The runtime fields (device,
     compile, loader workers, streaming chunk of evaluation) change how a run executes, not
@@ -151,6 +155,7 @@ class RunConfig:
     momentum_cycle: tuple[float, float] | None = MOMENTUM_CYCLE_REFERENCE
     attn_scale: str | float = "reference"
     precision: str = "fp32"
+    eval_weights: str = "raw"
     seed: int = 0
     checkpoint_every: int = 10
     eval_every: int = 1
@@ -180,6 +185,9 @@ class RunConfig:
                              f"{', '.join(ATTN_SCALE_WORDS)}, got {self.attn_scale!r}")
         if not isinstance(self.attn_scale, str) and not self.attn_scale > 0:
             raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
+        if self.eval_weights not in EVAL_WEIGHTS:
+            raise ValueError(f"eval_weights must be one of {', '.join(EVAL_WEIGHTS)}, got "
+                             f"{self.eval_weights!r}")
         if self.latent_schedule is not None:
             last = self.schedule().milestones[-1][0]  # parses, or raises naming the problem
             if last >= self.epochs:
@@ -282,10 +290,16 @@ class RunConfig:
     def from_stored(cls, d: dict[str, Any]) -> "RunConfig":
         """A config a run stored (in a checkpoint or its ``config.json``). One without
         :data:`VERSION_KEY` was stored before versions were written: a protocol field it
-        lacks takes its :data:`LEGACY_PROTOCOL` value, what that run trained with."""
+        lacks takes its :data:`LEGACY_PROTOCOL` value, what that run trained with; a field
+        added after the stored version (:data:`ADDED_SINCE`) takes the value runs of that
+        version had."""
         flat = flatten_sections(d)
         if VERSION_KEY not in d:
             flat = {**LEGACY_PROTOCOL, **flat}
+        version = d.get(VERSION_KEY, 1)
+        for added, values in ADDED_SINCE.items():
+            if version < added:
+                flat = {**values, **flat}
         return cls._from_flat(flat)
 
     @classmethod
@@ -521,7 +535,7 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
         raise ValueError(f"{err} (with --set {keys})" if overrides else str(err)) from None
 
 
-__all__ = ["ATTN_SCALE_WORDS", "CONFIG_VERSION", "FILE_SECTIONS", "LEGACY_PROTOCOL", "VERSION_KEY",
-           "flatten_sections", "REFERENCE_ATTN_SCALE", "RUNTIME_FIELDS",
-           "RunConfig", "apply_overrides", "check_types", "conforms", "describe_scale",
-           "model_config_class", "parse_value"]
+__all__ = ["ADDED_SINCE", "ATTN_SCALE_WORDS", "CONFIG_VERSION", "EVAL_WEIGHTS", "FILE_SECTIONS",
+           "LEGACY_PROTOCOL", "VERSION_KEY", "flatten_sections", "REFERENCE_ATTN_SCALE",
+           "RUNTIME_FIELDS", "RunConfig", "apply_overrides", "check_types", "conforms",
+           "describe_scale", "model_config_class", "parse_value"]

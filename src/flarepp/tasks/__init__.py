@@ -34,13 +34,13 @@ def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:
 
 def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
     """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
-    import json
     run_dir = Path(run_dir)
     config = run_dir / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{str(config)!r} not found: is {str(run_dir)!r} a flarepp "
                                 "run directory?")
-    task = json.loads(config.read_text()).get("task", "fields")
+    from flarepp.io import read_json
+    task = read_json(config).get("task", "fields")
     return TASKS.get(task).plot_run(run_dir, cases)
 
 

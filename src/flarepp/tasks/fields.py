@@ -21,7 +21,6 @@ under ``zero_target_samples`` with its absolute L2 error.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +147,7 @@ class FieldLoss:
     def count(self, true_BNO: torch.Tensor, mask_BN: torch.Tensor | None,
               token_sum: TokenSum) -> torch.Tensor:
         """Samples: every sample's terms are means over its own points already."""
-        return torch.tensor(float(true_BNO.shape[0]), device=true_BNO.device)
+        return torch.full((), float(true_BNO.shape[0]), device=true_BNO.device)
 
 
 LOSSES: Registry = Registry("loss")
@@ -166,7 +165,7 @@ class NormalisedMSE(FieldLoss):
         return token_sum(err.sum())
 
     def count(self, true_BNO, mask_BN, token_sum):
-        count = (torch.tensor(float(true_BNO.numel()), device=true_BNO.device)
+        count = (torch.full((), float(true_BNO.numel()), device=true_BNO.device)
                  if mask_BN is None else mask_BN.sum() * true_BNO.shape[-1])
         return token_sum(count)
 
@@ -497,14 +496,15 @@ class FieldTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_field_run
+        from flarepp.plots import Panel, Series, plot_field_run, weight_series
         config_path = Path(out_dir) / "config.json"
-        stored = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        loss = stored.get("loss", "mse")
+        from flarepp.io import read_json
+        from flarepp.storage.config import flatten_sections
+        stored = flatten_sections(read_json(config_path)) if config_path.is_file() else {}
+        loss = stored.get("loss", "mse")   # an unversioned config without it trained MSE
         if loss == "reference":
             loss = REFERENCE_LOSS.get(stored.get("dataset"), "rel_l2")
         panels = [Panel(f"training loss ({loss})",
                         (Series("train_loss", "training (live weights)"),)),
-                  Panel("test relative L2 [%]",
-                        (Series("test_rel_l2", "test (EMA weights)", 100.0),))]
+                  Panel("test relative L2 [%]", weight_series("test_rel_l2", "test", 100.0))]
         return plot_field_run(out_dir, panels, cases=cases)

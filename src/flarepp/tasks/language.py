@@ -162,10 +162,10 @@ class LanguageModelTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_curves
+        from flarepp.plots import Panel, Series, plot_curves, weight_series
         return [plot_curves(out_dir, [Panel("bits per byte", (
             Series("train_loss", "training (live weights)", 1.0 / LOG2),
-            Series("test_bits_per_byte", "held-out files (EMA weights)")), log=False)])]
+            *weight_series("test_bits_per_byte", "held-out files")), log=False)])]
 
 
 __all__ = ["ByteSplit", "LanguageModelTask", "TextFiles", "default_text_root",

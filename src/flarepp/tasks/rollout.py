@@ -321,13 +321,13 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from flarepp.plots import Panel, Series, plot_curves
+    from flarepp.plots import Panel, Series, plot_curves, weight_series
     written = []
     if (run_dir / "log.jsonl").is_file():
         written.append(plot_curves(run_dir, [
             Panel("training loss", (Series("train_loss", "training (live weights)"),)),
             Panel("test rollout rel. L2 (mean over horizon)",
-                  (Series("test_rollout_rel_l2", "test (EMA weights)"),))]))
+                  weight_series("test_rollout_rel_l2", "test"))]))
     path = run_dir / "test_rollout.npz"
     if not path.is_file():
         return written

@@ -158,7 +158,7 @@ class SequenceTask(Task):
 
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
         labels = batch["label"]
-        return torch.tensor(float(labels.shape[0]), device=labels.device)
+        return torch.full((), float(labels.shape[0]), device=labels.device)
 
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
         logits = pred.detach().double()
@@ -230,7 +230,7 @@ class SequenceTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_curves
+        from flarepp.plots import Panel, Series, plot_curves, weight_series
         references: tuple[tuple[float, str, str], ...] = ()
         summaries = sorted(Path(out_dir).glob("*_accuracy.json"))
         if summaries:   # chance levels of the run's data
@@ -240,7 +240,7 @@ class SequenceTask(Task):
         return [plot_curves(out_dir, [
             Panel("training cross-entropy (nats)", (Series("train_loss", "training"),),
                   log=False),
-            Panel("accuracy (%)", (Series("val_accuracy", "validation", 100.0),
+            Panel("accuracy (%)", (*weight_series("val_accuracy", "validation", 100.0),
                                    Series("test_accuracy", "test", 100.0)),
                   log=False, references=references)])]
 

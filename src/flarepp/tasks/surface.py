@@ -184,7 +184,7 @@ class SurfaceTask(Task):
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
         """Real cells x 4 channels of the batch (summed over the token shards)."""
         y, mask = batch["y"], batch.get("mask")
-        cells = (torch.tensor(float(y.shape[0] * y.shape[1]), device=y.device)
+        cells = (torch.full((), float(y.shape[0] * y.shape[1]), device=y.device)
                  if mask is None else mask.sum().float())
         return token_sum(cells * y.shape[-1])
 

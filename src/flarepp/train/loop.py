@@ -1,10 +1,13 @@
 """The one training loop, for every task (paper Tables 7-8, C.2; the FLARE study's protocol).
 
-AdamW, a one-cycle schedule stepped per batch, gradient clipping, an EMA of the weights
-(the reported metrics are the EMA model's), FP32 by default or bf16/fp16 autocast on the
-run's device (with a gradient scaler for fp16). What is learned, and how it is measured,
-comes from a :class:`flarepp.tasks.Task`; this module owns the device, the precision, the
-parallel layout, the optimiser state, checkpoints and logs.
+AdamW, a one-cycle schedule stepped per batch, gradient clipping, an EMA of the weights,
+FP32 by default or bf16/fp16 autocast on the run's device (with a gradient scaler for
+fp16). Every evaluation scores both the raw (trained) weights and the EMA copy, and the
+log, ``metrics.json`` and the figures carry both; ``eval_weights`` names the headline (raw,
+as the FLARE study reports: :mod:`flarepp.inference.evaluate`), and the final predictions
+are the headline weights'. What is learned, and how it is measured, comes from a
+:class:`flarepp.tasks.Task`; this module owns the device, the precision, the parallel
+layout, the optimiser state, checkpoints and logs.
 
 Parallelism (:mod:`flarepp.distributed.mesh`): data-parallel ranks each take a share of
 every global batch (``batch_size`` samples, the preset's) and ``DistributedDataParallel``
@@ -37,7 +40,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from flarepp.data import DatasetSplits
-from flarepp.device import grad_scaler, resolve_device
+from flarepp.device import grad_scaler, resolve_device, use_device
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
@@ -49,10 +52,22 @@ from flarepp.storage.checkpoint import (CheckpointError, checkpoint_epoch,
                                       save_checkpoint)
 from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
+from flarepp.inference.evaluate import evaluate_weights, weight_metrics
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
 from flarepp.data.fingerprint import check_same_data
 from flarepp.storage.rundir import RunLock
 from flarepp.train.checks import check_run_config
+
+
+HOST_SYNC_EVERY = 16
+"""Training steps between the host's looks at the device (and, with several ranks, the
+collectives that serve only bookkeeping): the step losses (progress bar, the non-finite
+check), and on several ranks the all-reduce of the stop flag. Every step in between is
+queued without waiting for the device; a single process still stops right after the step
+in which a signal arrived (its flag is a host variable)."""
+
+WEIGHTS_NAME = {"raw": "raw", "ema": "EMA"}
+"""How a log line names the weights of ``eval_weights``."""
 
 
 def checkpoint_path(out_dir: Path, epoch: int, step: int | None = None) -> Path:
@@ -111,6 +126,7 @@ class Trainer:
         self.is_writer = parallel.is_writer
         self.progress = progress and self.is_writer
         self.device = resolve_device(device if device is not None else c.device)
+        use_device(self.device)
         # The writer holds the run directory for the run's life: a second process on the
         # same --out fails here, before any work, naming the holder.
         self.lock = RunLock(self.out_dir).acquire() if self.is_writer else None
@@ -252,9 +268,11 @@ class Trainer:
             dist.all_reduce(count, group=self.plan.dp_group)
         return count
 
-    def train_step(self, micro: list[dict], weight: float) -> float:
+    def train_step(self, micro: list[dict], weight: float) -> torch.Tensor:
         """Forward and backward of one global batch (this rank's micro-batches), one
-        optimiser step; returns the global batch's loss."""
+        optimiser step; returns this rank's share of the global batch's loss, a detached
+        device tensor (no host sync; :meth:`_flush_losses` sums the shares over the data
+        parallel ranks and reads them, every :data:`HOST_SYNC_EVERY` steps)."""
         c, plan = self.config, self.plan
         micro = [self.engine.shard(batch) for batch in micro]
         count = self._global_count(micro, weight)
@@ -274,13 +292,6 @@ class Trainer:
                 loss = part / count
                 self.scaler.scale(loss if factor == 1 else loss * factor).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if plan.dp_group is not None:
-            total = total.clone()
-            dist.all_reduce(total, group=plan.dp_group)
-        shown = total.item()
-        if not np.isfinite(shown):
-            raise FloatingPointError(f"loss became {shown} at epoch {self.epoch + 1}; try "
-                                     "--precision fp32 or a lower lr")
         if plan.cp_group is not None:
             from flarepp.distributed import all_reduce_gradients
             all_reduce_gradients(self.model, plan.cp_group)  # the unsharded gradient
@@ -290,7 +301,25 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.ema.update_parameters(self.model)
-        return shown
+        return total
+
+    def _flush_losses(self, pending: list[torch.Tensor], bar) -> None:
+        """Read the queued step losses (one host sync; one all-reduce over the data
+        parallel ranks, which flush at the same steps) into ``self.step_losses``."""
+        if not pending:
+            return
+        shares = torch.stack([t.float() for t in pending])
+        if self.plan.dp_group is not None:
+            dist.all_reduce(shares, group=self.plan.dp_group)
+        values = shares.tolist()
+        pending.clear()
+        for value in values:
+            self.step_losses.append(value)
+            if not np.isfinite(value):
+                raise FloatingPointError(
+                    f"loss became {value} at epoch {self.epoch + 1}, step "
+                    f"{len(self.step_losses)}; try --precision fp32 or a lower lr")
+        bar.set_postfix(loss=f"{values[-1]:.3e}")
 
     def train_epoch(self) -> float:
         """One pass over the training split (the rest of it after a mid-epoch resume).
@@ -318,14 +347,20 @@ class Trainer:
         bar = tqdm(to_device_prefetched(loader, self.device), total=len(keys),
                    initial=done, desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
                    disable=not (self.progress and show_progress_bars(True)))
+        pending: list[torch.Tensor] = []
         for micro, weight in bar:
-            self.step_losses.append(self.train_step(micro, weight))
-            bar.set_postfix(loss=f"{self.step_losses[-1]:.3e}")
-            if self._stop_requested() and len(self.step_losses) < len(keys):
+            pending.append(self.train_step(micro, weight))
+            step = len(self.step_losses) + len(pending)
+            at_sync = step % HOST_SYNC_EVERY == 0
+            if at_sync:
+                self._flush_losses(pending, bar)
+            if step < len(keys) and self._stop_requested(collective=at_sync):
+                self._flush_losses(pending, bar)
                 bar.close()
                 seconds = self._epoch_seconds + time.perf_counter() - started
                 self._interrupt({"step": len(self.step_losses), "shuffle": epoch_start_shuffle,
                                  "losses": self.step_losses, "seconds": seconds})
+        self._flush_losses(pending, bar)
         self._epoch_seconds += time.perf_counter() - started
         return sum(loss * n for loss, n in zip(self.step_losses, sizes)) / max(sum(sizes), 1)
 
@@ -351,11 +386,17 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _stop_requested(self) -> bool:
-        """Whether any rank was signalled (every rank stops after the same step)."""
+    def _stop_requested(self, collective: bool = True) -> bool:
+        """Whether any rank was signalled (every rank stops after the same step).
+
+        With several ranks the flags are all-reduced, a collective and a host sync, so
+        only where ``collective`` (every :data:`HOST_SYNC_EVERY` steps and between epochs:
+        the same steps on every rank); otherwise no rank stops here."""
         flag = 0 if self._stop_signal is None else self._stop_signal
         if self.plan.mesh is not None:
-            t = torch.tensor([flag], device=self.device)
+            if not collective:
+                return False
+            t = torch.full((1,), flag, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = int(t.item())
             self._stop_signal = flag or None
@@ -393,11 +434,19 @@ class Trainer:
         sign = 1.0 if self.task.lower_is_better else -1.0
         return min(candidates, key=lambda p: sign * scored[checkpoint_epoch(p)[0]])
 
-    def evaluate(self, split: str) -> dict[str, Any]:
-        metrics, records = self.engine.evaluate(self.ema.module, split,
-                                                self.task.eval_batch_size())
-        metrics["_records"] = records
-        return metrics
+    def weights(self, name: str) -> torch.nn.Module:
+        """The raw (trained) weights' model, or the EMA copy's (``"raw"`` / ``"ema"``)."""
+        return {"raw": self.model, "ema": self.ema.module}[name]
+
+    def evaluate(self, split: str) -> dict[str, dict[str, Any]]:
+        """The task's metrics of ``split`` (with its ``_records``) for the raw weights and
+        the EMA copy, ``{"raw": ..., "ema": ...}``; with ``ema_decay`` 0 the copy is the
+        weights, evaluated once."""
+        results = evaluate_weights(self.engine, split, self.task.eval_batch_size(),
+                                   {w: self.weights(w) for w in ("raw", "ema")},
+                                   same=self.config.ema_decay == 0)
+        return {w: {**metrics, "_records": records}
+                for w, (metrics, records) in results.items()}
 
     # -- the run -------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict[str, Any] | None:
@@ -434,18 +483,24 @@ class Trainer:
                       "step_losses": list(self.step_losses)}
             if latents is not None:
                 record["latents"] = latents
+            split = self.task.eval_splits[0]
+            key = f"{split}_{headline}"
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
-                split = self.task.eval_splits[0]
-                record[f"{split}_{headline}"] = self.evaluate(split)[headline]
+                record.update(weight_metrics(split, headline, self.evaluate(split),
+                                             c.eval_weights))
+                record["eval_weights"] = c.eval_weights
             self.history.append(record)
             if self.is_writer:
                 with open(self.out_dir / "log.jsonl", "a") as log:
                     log.write(json.dumps(record) + "\n")
             if self.progress:
-                shown = [f"  {k.replace('_', ' ')} {v:.4f}" for k, v in record.items()
-                         if k.endswith(headline)]
-                print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{''.join(shown)}",
-                      flush=True)
+                shown = ""
+                if key in record:
+                    other = "ema" if c.eval_weights == "raw" else "raw"
+                    shown = (f"  {key.replace('_', ' ')} {record[key]:.4f} "
+                             f"({WEIGHTS_NAME[c.eval_weights]} weights; "
+                             f"{WEIGHTS_NAME[other]} {record[f'{key}_{other}']:.4f})")
+                print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{shown}", flush=True)
             done_now += 1
             stopping = stop_after is not None and done_now >= stop_after
             if self.is_writer and (self.epoch % c.checkpoint_every == 0
@@ -462,13 +517,16 @@ class Trainer:
         atomic_write_text(self.out_dir / "log.jsonl", lines)
 
     def finish(self) -> dict[str, Any]:
-        headline = self.task.headline
+        headline, chosen = self.task.headline, self.config.eval_weights
         results = {split: self.evaluate(split) for split in self.task.eval_splits}
-        metrics = {f"{split}_{headline}": r[headline] for split, r in results.items()}
-        for split, r in results.items():
-            if "zero_target_samples" in r:
-                metrics[f"{split}_zero_target_samples"] = r["zero_target_samples"]
+        metrics: dict[str, Any] = {}
+        for split, by_weights in results.items():
+            metrics.update(weight_metrics(split, headline, by_weights, chosen))
+            if "zero_target_samples" in by_weights[chosen]:
+                metrics[f"{split}_zero_target_samples"] = \
+                    by_weights[chosen]["zero_target_samples"]
         metrics.update({
+            "eval_weights": chosen,
             "epochs": self.epoch, "params": self.n_params(),
             "seconds": float(sum(r["seconds"] for r in self.history)),
             "preset": self.config.name, "dataset": self.config.dataset,
@@ -478,9 +536,9 @@ class Trainer:
             "checkpoint": str(checkpoint_path(self.out_dir, self.epoch)),
         })
         split = self.task.eval_splits[0]
-        records = results[split]["_records"]
+        records = results[split][chosen]["_records"]
         cases = self.task.cases_to_predict(split, records)  # predicted on every rank
-        extra = ({"predictions": self.engine.predict_cases(self.ema.module, split, cases)}
+        extra = ({"predictions": self.engine.predict_cases(self.weights(chosen), split, cases)}
                  if cases else {})
         if self.is_writer:
             self.task.write_outputs(self.out_dir, split, records, **extra)

@@ -8,11 +8,12 @@ Training protocol where the paper is silent: the FLARE study's (github.com/vpuri
 written out per dataset in every preset so that a run's ``config.json`` states it:
 ``loss`` (relative L2 of the de-normalised outputs; on Darcy plus 0.1 x that of the grid
 gradients), ``input_norm`` (the study's per-dataset rule), weight decay on the weight
-matrices only, beta1 cycled 0.95 -> 0.85 -> 0.95, and ``attn_scale="reference"`` (SDPA
+matrices only, beta1 cycled 0.95 -> 0.85 -> 0.95, ``attn_scale="reference"`` (SDPA
 scale 1.0 for FLARE as in the study's runs, the paper's 1/sqrt(D) for the others; see
-:class:`flarepp.storage.config.RunConfig`). ``--set loss=mse --set input_norm=standard --set
-weight_decay_groups=all --set momentum_cycle=None --set attn_scale=sqrt`` gives flarepp's
-earlier protocol.
+:class:`flarepp.storage.config.RunConfig`), and the headline errors from the raw weights
+(``eval_weights`` ``raw``; the EMA weights' are reported beside them). ``--set loss=mse
+--set input_norm=standard --set weight_decay_groups=all --set momentum_cycle=None --set
+attn_scale=sqrt --set eval_weights=ema`` gives flarepp's earlier protocol.
 
 ``npz`` is the run for a user's own data (``flarepp train --data my.npz``): a small model,
 standardised inputs, relative L2 loss.
@@ -130,7 +131,8 @@ def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
     Everything comes from the task's :class:`~flarepp.data.lra.LRARunSettings`: the model
     (``model_options(mixer)``: FLARE-family overrides for FLARE and FLARE++, LayerNorm as
     the reference), batch, learning rate, weight decay, betas, clipping, the one-cycle
-    schedule, EMA off (``ema_decay`` 0: the averaged weights are the weights), mixed
+    schedule, EMA off (``ema_decay`` 0: the averaged weights are the weights, so the raw and
+    EMA errors are one evaluation and ``eval_weights`` keeps its ``raw``), mixed
     precision as bf16. A run bounded by steps trains ``ceil(steps / steps per epoch)``
     whole epochs of ``train_samples`` samples (:meth:`LRARunSettings.run_epochs`; default:
     the table's count, capped by a ``train`` split limit; ``flarepp lra train`` and ``lra

@@ -39,19 +39,20 @@ _OTHER_SOURCES = {
     "drivaerml": "download the DrivAerML release (docs/drivaerml.md), or make a synthetic "
                  "stand-in in its layout with `flarepp data make surface-flow --out {out}` "
                  "(its split file is {out}/split.json)",
-    "listops": "make it with `flarepp lra data make listops --out {out}`",
-    "pathfinder": "make it with `flarepp lra data make pathfinder --out {out}`",
+    "listops": "make it with `flarepp lra data make listops --out {out}{options}`",
+    "pathfinder": "make it with `flarepp lra data make pathfinder --out {out}{options}`",
 }
 
 
-def how_to_get(dataset: str, out: str) -> str:
+def how_to_get(dataset: str, out: str, options: str = "") -> str:
     """How to obtain ``dataset``'s files in ``out``, as a clause of a sentence: the
-    generator that writes them, or where the release is described (docs/data.md,
-    docs/lra.md) when flarepp has no generator for it."""
+    generator that writes them (with ``options`` appended to its command), or where the
+    release is described (docs/data.md, docs/lra.md) when flarepp has no generator for it."""
+    options = f" {options}" if options else ""
     if dataset in GENERATORS.names():
-        return f"make it with `flarepp data make {dataset} --out {out}`"
+        return f"make it with `flarepp data make {dataset} --out {out}{options}`"
     if dataset in _OTHER_SOURCES:
-        return _OTHER_SOURCES[dataset].format(out=out)
+        return _OTHER_SOURCES[dataset].format(out=out, options=options)
     return (f"flarepp has no generator for {dataset!r}: download its release into {out} "
             "(docs/data.md and docs/lra.md list each dataset's files)")
 
