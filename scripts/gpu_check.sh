@@ -31,7 +31,7 @@ fi
 start=$(date +%s)
 # The whole tests/ tree filtered by the marker, not a list of files: a new cuda-marked
 # test file is run without touching this script (tests/test_gpu_check.py checks it).
-timeout "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -rs -m cuda -p no:cacheprovider tests
+timeout "${TESTS_TIMEOUT:-240}" "$PY" -m pytest -q -s -rs -m cuda -p no:cacheprovider tests
 tests_status=$?
 echo "gpu-check: cuda tests exit status ${tests_status} after $(( $(date +%s) - start )) s"
 

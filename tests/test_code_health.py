@@ -32,7 +32,7 @@ from flarepp.registry import Registry
 from reference import ExplicitBackend
 
 # ---------------------------------------------------------------------------------------------
-# one model-config base
+# model configs: old ones rebuild, every architecture checks the shared settings
 
 # ``model.config.to_dict()`` as checkpoints written before the refactor hold them.
 STORED_MODEL_CONFIGS = [
@@ -99,7 +99,7 @@ def test_every_architecture_checks_its_shared_settings_by_name(arch):
 
 
 # ---------------------------------------------------------------------------------------------
-# one latent self-attention block
+# the latent self-attention block of LNO and PerceiverIO
 
 def _explicit_latent_block(block: LatentSelfAttentionBlock, z: torch.Tensor) -> torch.Tensor:
     """``Z + softmax(s Q K^T) V W_O``, then ``Z + MLP(norm(Z))``, written out per head."""

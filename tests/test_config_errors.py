@@ -87,8 +87,8 @@ def test_own_npz_trains_and_config_json_feeds_back(tmp_path, capsys):
     assert main(["train", "--data", str(tmp_path / "my.npz"), "--out", str(first), "--quiet",
                  *sets]) == 0
     stored = json.loads((first / "config.json").read_text())
-    assert stored["name"] == "npz" and stored["dataset"] == "npz"
-    assert stored["loss"] == "rel_l2" and stored["model"]["dim"] == 8
+    assert stored["name"] == "npz" and stored["data"]["dataset"] == "npz"
+    assert stored["protocol"]["loss"] == "rel_l2" and stored["model"]["dim"] == 8
     second = tmp_path / "second"
     assert main(["train", "--config", str(first / "config.json"), "--data",
                  str(tmp_path / "my.npz"), "--out", str(second), "--quiet",

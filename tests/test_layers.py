@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from layers import FLOORS, circles, floor_of, import_graph  # noqa: E402
 
@@ -32,6 +34,7 @@ def test_no_import_circle():
     assert not found, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in found)
 
 
+@pytest.mark.slow
 def test_every_dataset_is_registered_by_the_data_floor():
     """`import flarepp.data` alone registers every dataset a run config may name (no
     higher floor adds one)."""

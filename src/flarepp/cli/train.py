@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace, overrides: list[str]):
     """The run's config, checked before any data is read: a preset, a run's own
     ``config.json`` (``--config``), or the ``npz`` preset for ``--data`` alone."""
-    from flarepp.train import RunConfig, apply_overrides, check_run_config, get_preset
+    from flarepp.train import RunConfig, apply_overrides, get_preset
     if args.config and args.preset:
         raise CLIError("give a preset or --config, not both")
     if args.config:
@@ -71,7 +71,7 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
         read = (RunConfig.from_stored if (path.parent / "checkpoints").is_dir()
                 else RunConfig.from_dict)
         try:
-            return check_run_config(apply_overrides(read(stored), overrides))
+            return apply_overrides(read(stored), overrides)
         except ValueError as err:
             raise CLIError(f"--config {str(path)!r}: {err}") from None
     if args.preset is None and not args.data:

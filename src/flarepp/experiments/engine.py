@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flarepp.io import atomic_write_json
-from flarepp.storage.config import RunConfig, apply_overrides
+from flarepp.storage.config import RunConfig
+from flarepp.train.checks import apply_overrides
 
 STUDY_NAME = "study.json"
 EVENTS_NAME = "events.jsonl"

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from flarepp.experiments.engine import Point, Study
-from flarepp.storage.config import RunConfig, apply_overrides
+from flarepp.storage.config import RunConfig
+from flarepp.train.checks import apply_overrides
 
 # ---------------------------------------------------------------------------------------------
 # the grid of a sweep

@@ -2,10 +2,10 @@
 
 from flarepp.storage.checkpoint import (CheckpointError, TrainedModel, load_trained_model,
                                       read_checkpoint)
-from flarepp.storage.config import RunConfig, apply_overrides
+from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
 from flarepp.inference.evaluate import evaluate_checkpoint, load_for_evaluation
-from flarepp.train.checks import check_run_config
+from flarepp.train.checks import apply_overrides, check_run_config
 from flarepp.train.loop import Trainer, latest_checkpoint, train
 from flarepp.train.presets import PRESETS, get_preset
 

@@ -3,6 +3,7 @@ options (:func:`flarepp.tasks.check_task_config`) and the optimiser's weight-dec
 
 from __future__ import annotations
 
+from flarepp.storage import config as stored_config
 from flarepp.storage.config import RunConfig
 from flarepp.tasks import check_task_config
 from flarepp.train.optim import WEIGHT_DECAY_GROUPS
@@ -16,4 +17,16 @@ def check_run_config(config: RunConfig) -> RunConfig:
     return config
 
 
-__all__ = ["check_run_config"]
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """``["model.latents=32", "epochs=3"]`` -> a new config, checked completely: by
+    :func:`flarepp.storage.config.apply_overrides` on its floor, then by
+    :func:`check_run_config`. An error names the key (and the ``--set`` keys given)."""
+    config = stored_config.apply_overrides(config, overrides)
+    try:
+        return check_run_config(config)
+    except ValueError as err:
+        keys = ", ".join(item.split("=", 1)[0] for item in overrides)
+        raise ValueError(f"{err} (with --set {keys})" if overrides else str(err)) from None
+
+
+__all__ = ["apply_overrides", "check_run_config"]
