@@ -105,6 +105,48 @@ def test_sweep_in_process_records_and_skips(tmp_path):
     assert paths["png"].stat().st_size > 0
 
 
+STAND_IN_FLARE_STUDY = """
+import torch
+from torch import nn
+
+
+class FLAREModel(nn.Module):  # a stand-in with the study's constructor keywords
+    def __init__(self, in_dim, out_dim, channel_dim, num_blocks, num_heads, num_latents,
+                 attn_scale, num_layers_in_out_proj, num_layers_k_proj, num_layers_v_proj,
+                 num_layers_ffn, ffn_mlp_ratio, rmsnorm):
+        super().__init__()
+        assert num_layers_k_proj == num_layers_v_proj == -1 and ffn_mlp_ratio == 2.0
+        self.lin = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x):
+        return self.lin(x)
+"""
+
+
+def test_flare_study_model_is_timed_from_a_named_clone_only(tmp_path):
+    """``flare-study`` is the FLARE study's own FLAREModel, imported from the clone the user
+    names (here a stand-in file at the study's path), timed beside flarepp's mixers and
+    counted with FLARE's FLOPs; without a clone, or with a path that is not one, the error
+    says what is missing. A failure points at the optional comparison becoming a hard
+    dependency, or at a reference point silently measuring flarepp's own model."""
+    from flarepp.bench.reference import REFERENCE_MIXER
+    (tmp_path / "pdebench" / "models").mkdir(parents=True)
+    (tmp_path / "pdebench" / "models" / "flare.py").write_text(STAND_IN_FLARE_STUDY)
+    config = ScalingConfig(mixers=["flare", REFERENCE_MIXER], sizes=[256], isolate=False,
+                           reference_repo=str(tmp_path), **TINY)
+    records = run_scaling(config, log=lambda s: None)["records"]
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert records[1]["flops"] == records[0]["flops"]
+    assert records[1]["params"] == 2 * 1 + 1  # the stand-in's one linear, not flarepp's
+    assert ratios(records, REFERENCE_MIXER, "flare")[0]["n"] == 256
+    with pytest.raises(ValueError, match="reference_repo"):
+        ScalingConfig(mixers=[REFERENCE_MIXER], sizes=[256], **TINY)
+    bad = ScalingConfig(mixers=[REFERENCE_MIXER], sizes=[256], isolate=False,
+                        reference_repo=str(tmp_path / "nowhere"), **TINY)
+    with pytest.raises(FileNotFoundError, match="clone of the FLARE study"):
+        run_scaling(bad, log=lambda s: None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("retain", [True, False])
 def test_cpu_point_in_fresh_interpreter(retain):

@@ -284,3 +284,88 @@ def test_streaming_on_cuda(monkeypatch, hidden_on, inputs_on):
         assert rules.count("forward") >= 4 and rules.count("backward") == 0
     assert checks
 
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def _task_configs(root):
+    """A tiny run of each trainable task kind (fields, rollout, sequence) with its data."""
+    from flarepp.data.generators.advection_diffusion import make_advection_diffusion
+    from flarepp.data.generators.darcy import make_darcy
+    from flarepp.data.lra import make_listops
+    from flarepp.train import apply_overrides, get_preset
+    from flarepp.train.presets import lra_run_config
+    small = ["model.dim=16", "model.heads=2", "model.blocks=1", "model.latents=4",
+             "device=cpu", "loader_workers=0"]
+    make_darcy(root / "darcy", n_train=4, n_test=2, resolution=15, seed=3, progress=False)
+    make_advection_diffusion(root / "rollout", n_train=3, n_test=2, resolution=8, seed=1,
+                             progress=False)
+    make_listops(root / "listops", n_train=16, n_val=4, n_test=4, min_length=10,
+                 max_length=40, progress=False)
+    rollout_options = {"n_train": 3, "n_test": 2, "history": 2, "patches": 2, "unroll": 2,
+                       "horizon": 5}
+    return {
+        "fields": get_preset("darcy-tiny", small + [
+            "batch_size=2", "dataset_options={'resolution': 8, 'n_train': 4, 'n_test': 2}",
+            f"data_root={str(root / 'darcy')!r}"]),
+        "rollout": get_preset("rollout-tiny", small + [
+            "batch_size=2", f"dataset_options={rollout_options!r}",
+            f"data_root={str(root / 'rollout')!r}"]),
+        "sequence": apply_overrides(lra_run_config(
+            "listops", "tiny", "flarepp", steps=9, data_root=str(root / "listops"),
+            split_limits={"train": 16, "val": 4, "test": 4}), small + ["batch_size=4"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def task_configs(tmp_path_factory):
+    return _task_configs(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("task", ["fields", "rollout", "sequence"])
+def test_trainer_step_on_cuda(task_configs, tmp_path, monkeypatch, task, precision):
+    """One Trainer.train_step of each task kind on CUDA in fp32/bf16/fp16: the batch moved
+    to the device, the task's forward under CUDA autocast, its loss and count, backward
+    through GradScaler (fp16), gradient clipping, AdamW and the scheduler; the step's loss
+    comes back as a CUDA tensor (no host read: a fake tensor has no value). A failure is a
+    device or dtype mix in the task or the loop (a CPU tensor in a CUDA loss, a float64
+    constant under autocast).
+
+    Two host reads of torch's own are replaced, as a fake tensor cannot be read: the
+    GradScaler's skip decision (found_inf, fp16) steps unconditionally, and the EMA update
+    (AveragedModel compares n_averaged on the host) is recorded instead of run."""
+    from flarepp.device import grad_scaler
+    from flarepp.inference.batching import epoch_keys, make_loader
+    from flarepp.inference.engine import Engine
+    from flarepp.train import Trainer, apply_overrides
+    from flarepp.train.optim import build_optimizer, build_scheduler
+    config = apply_overrides(task_configs[task], [f"precision={precision}"])
+    trainer = Trainer(config, tmp_path / "run", progress=False)
+    try:
+        keys = epoch_keys(torch.arange(trainer.n_train).numpy(), config.batch_size, 0, 1, 0)
+        micro, weight = next(iter(make_loader(trainer.task, "train", keys[:1], training=True,
+                                              workers=0, pin_memory=False)))
+        ema_updates = []
+        monkeypatch.setattr(trainer.ema, "update_parameters", ema_updates.append)
+        monkeypatch.setattr(torch.amp.GradScaler, "_maybe_opt_step",
+                            lambda self, optimizer, state, *a, **k: optimizer.step(*a, **k))
+        with fake_cuda.fake_cuda(), EfficientAttentionRules():
+            dev = torch.device("cuda", 0)
+            fake_cuda.to_fake_cuda(trainer.model)
+            trainer.device = dev
+            trainer.engine = Engine(trainer.task, dev, precision)
+            trainer.optimizer = build_optimizer(trainer.model, config)
+            trainer.scheduler = build_scheduler(trainer.optimizer, config, 100)
+            trainer.scaler = grad_scaler(precision, dev)
+            micro = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                     for b in micro]
+            loss = trainer.train_step(micro, weight)
+            assert loss.device.type == "cuda" and loss.dim() == 0
+            assert ema_updates == [trainer.model]
+            grads = [p.grad for p in trainer.model.parameters() if p.requires_grad]
+            assert grads and all(g is not None and g.device.type == "cuda" for g in grads)
+            assert all(s["exp_avg"].device.type == "cuda"
+                       for s in trainer.optimizer.state.values())
+    finally:
+        trainer.close()

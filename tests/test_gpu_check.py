@@ -51,15 +51,19 @@ def test_gpu_check_runs_every_cuda_marked_file():
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # starts make and Python
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_gpu_check_needs_no_pip_when_the_environment_is_set_up(tmp_path):
     """With an environment that imports flarepp and pytest, `make gpu-check` goes straight
     to the script (here: no GPU, exit 2 with its message) even when the install stamp is
-    missing and pip would fail, as on an offline GPU machine."""
+    missing and pip would fail, as on an offline GPU machine. CUDA is hidden from the
+    script, so on a GPU machine it stops at the same point instead of running the check."""
+    import os
     import sys
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # on a GPU machine too: no sweep here
     done = subprocess.run(
         ["make", "-s", "gpu-check", f"PY={sys.executable}", "PIP=false",
          f"STAMP={tmp_path / 'never-installed'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert "nothing to check" in done.stderr, done.stdout + done.stderr
     assert done.returncode == 2

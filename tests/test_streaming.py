@@ -207,6 +207,39 @@ def test_each_stage_runs_once_per_token_and_each_block_in_e_plus_1_passes(mixer,
     assert f"{passes}/{passes}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mixer,per_pass", [
+    ("flare", [[0, 1], [0]]),                          # W_K, W_V; then W_K for the decode
+    ("flarepp", [[0], [1, 2], [1]]),                   # W~_K; W_K, W_V; W_K for the decode
+    ("flarepp-simple", [[0, 1], [2, 3], [2]]),
+])
+def test_each_pass_projects_only_what_its_encode_and_the_decode_read(mixer, per_pass,
+                                                                      monkeypatch):
+    """A streaming pass that stops at an encode computes only the projections that encode
+    reads, and a later pass skips those of encodes the backend already holds
+    (``held_encode``); the unchunked forward computes each projection once. A failure points
+    at a mixer that projects before asking the backend, or at a backend that no longer
+    reports the encodes it holds (streaming then recomputes every projection per pass)."""
+    from flarepp.mixers.flare import LowRankRouting
+    model = tiny_model(mixer)
+    x, mask = batch(True)
+    seen: list[int] = []
+    original = LowRankRouting.project
+
+    def spy(self, x_BNC, index):
+        seen.append(index)
+        return original(self, x_BNC, index)
+
+    monkeypatch.setattr(LowRankRouting, "project", spy)
+    with torch.no_grad():
+        want = model(x, mask)
+    assert sorted(seen) == sorted([i for p in per_pass[:-1] for i in p] * len(model.blocks))
+    seen.clear()
+    got = stream_forward(model, x, mask, chunk_size=N // 3)
+    assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
+    one_block = [i for p in per_pass for i in p for _ in range(3)]   # 3 chunks per pass
+    assert sorted(seen) == sorted(one_block * len(model.blocks))
+
+
 @pytest.mark.parametrize("hidden_on", ["device", "host", "memmap"])
 def test_hidden_state_placements_agree(hidden_on, tmp_path):
     """The hidden state in device memory, host memory or a memory-mapped file gives the

@@ -21,7 +21,8 @@ import pytest
 
 from flarepp.cli import main
 from flarepp.experiments.engine import StudyConflict, create_study, read_events, run_study
-from flarepp.experiments.reports import aggregate, collect, precision_ratios, write_report
+from flarepp.experiments.reporting import write_report
+from flarepp.experiments.reports import aggregate, collect, precision_ratios
 from flarepp.experiments.studies import grid_names, parse_axes, split_values, sweep_study
 
 TINY = ["epochs=8", "checkpoint_every=1", "model.dim=8", "model.heads=2", "model.latents=4",
@@ -297,14 +298,14 @@ def test_report_reads_any_study(tmp_path):
 def test_a_sweep_of_an_earlier_flarepp_is_continued(tmp_path):
     """A directory an earlier `flarepp sweep` started (sweep.json: base config, axes, data)
     opens as the same study: the same point names, so its runs are found and reused."""
-    from flarepp.experiments.engine import open_study
+    from flarepp.experiments.studies import open_any_study
     from flarepp.train import get_preset
     out = tmp_path / "old"
     out.mkdir()
     (out / "sweep.json").write_text(json.dumps({
         "base": get_preset("npz").to_dict(), "data_root": str(tmp_path / "d.npz"),
         "axes": [["model.mixer", ["flare", "flarepp"]], ["seed", ["0", "1"]]]}))
-    study = open_study(out)
+    study = open_any_study(out)
     assert [p.name for p in study.points] == ["mixer-flare_seed-0", "mixer-flare_seed-1",
                                               "mixer-flarepp_seed-0", "mixer-flarepp_seed-1"]
     assert (out / "study.json").is_file() and study.continue_with.startswith("flarepp sweep")

@@ -104,12 +104,47 @@ def fake_cuda() -> Iterator[Any]:
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     try:
-        with torch.autograd.set_multithreading_enabled(False), FakeTensorMode() as mode:
+        with torch.autograd.set_multithreading_enabled(False), FakeTensorMode() as mode, \
+                _HostToDevice(mode):
             yield mode
     finally:
         (amp_common.amp_definitely_not_available, torch.cuda.is_bf16_supported,
          torch.cuda.is_available, torch.cuda.device_count) = saved
         lib.flarepp_fake_cuda_uninstall()
+
+
+class _HostToDevice(TorchDispatchMode):
+    """Host data copied to fake CUDA becomes a fake tensor without a value.
+
+    FakeTensorMode keeps the value of one-element tensors (a "constant") and of tensors made
+    from host data outside it, and runs ops on those for real: a copy of one to CUDA would
+    then allocate on the real, absent device. An op that targets CUDA here gets such inputs
+    as plain fake tensors instead (the values are never needed: nothing is computed).
+    """
+
+    def __init__(self, fake_mode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def _plain(self, t):
+        from torch._subclasses.fake_tensor import FakeTensor
+        if not isinstance(t, torch.Tensor):
+            return t
+        if isinstance(t, FakeTensor):
+            if t.constant is None:
+                return t
+            t = t.constant
+        with torch._C._DisableTorchDispatch():  # a fresh copy: the converter memoises
+            t = t.clone()
+        return self.fake_mode.fake_tensor_converter.from_real_tensor(self.fake_mode, t,
+                                                                      make_constant=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            args = tuple(self._plain(a) for a in args)
+        return func(*args, **kwargs)
 
 
 def to_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:

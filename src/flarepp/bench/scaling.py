@@ -42,6 +42,11 @@ again. Every record's ``malloc`` field says what the worker's allocator did.
 ``total_budget_s`` bounds the whole sweep: a point whose estimated time would end the sweep
 past it is skipped, with the reason, so a sweep fits a fixed slot (``make gpu-check``).
 
+With ``reference_repo`` (a clone of the FLARE study's code), the mixer name
+``flare-study`` measures that study's own ``FLAREModel`` at the same settings
+(:mod:`flarepp.bench.reference`; loaded from the clone at run time, never a dependency),
+counted with FLARE's FLOPs (the same products).
+
 FP32 runs use LayerNorm and no autocast; ``bf16`` / ``fp16`` runs use RMSNorm and autocast
 to that dtype with FP32 weights, as the paper's mixed-precision runs (C.2).
 """
@@ -67,6 +72,7 @@ import torch
 from flarepp import allocator
 from flarepp.bench.flops import MIXER_FLOPS, model_flops
 from flarepp.bench.memory import PeakMemory, available_bytes
+from flarepp.bench.reference import REFERENCE_MIXER, flare_study_model
 from flarepp.device import autocast, resolve_device, synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -132,6 +138,7 @@ class ScalingConfig:
     retain_memory: bool = field(default_factory=allocator.retain_memory_requested)
     isolate: bool | None = None  # a fresh interpreter per point; None: on CPU only
     peak_matmul_size: int | None = None  # side of the GEMMs of matmul_peak (None: default)
+    reference_repo: str | None = None  # a clone of the FLARE study's code (bench.reference)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -149,6 +156,11 @@ class ScalingConfig:
             raise ValueError("compile=True needs warmup >= 1: the first step compiles")
         from flarepp.mixers import MIXERS
         for name in self.mixers:
+            if name == REFERENCE_MIXER:
+                if not self.reference_repo:
+                    raise ValueError(f"mixer {REFERENCE_MIXER!r} (the FLARE study's own "
+                                     "FLAREModel) needs reference_repo, a clone of its code")
+                continue
             MIXERS.entry(name)  # unknown names raise, listing the known ones
 
     def model_settings(self, mixer: str) -> dict[str, Any]:
@@ -197,7 +209,13 @@ def measure_point(config: ScalingConfig, mixer: str, n: int) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(0)
-    model = build_model(**config.model_settings(mixer)).to(dev)
+    if mixer == REFERENCE_MIXER:
+        settings = config.model_settings("flare")
+        model = flare_study_model(config.reference_repo, **{
+            k: settings[k] for k in ("in_dim", "out_dim", "dim", "heads", "blocks",
+                                     "latents", "norm")}).to(dev)
+    else:
+        model = build_model(**config.model_settings(mixer)).to(dev)
     if config.compile:
         compile_model(model)
     x = torch.randn(config.batch, n, config.in_dim, device=dev)
@@ -390,8 +408,9 @@ def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | 
     record: dict[str, Any] = {k: None for k in RECORD_KEYS}
     record.update(mixer=mixer, n=n, batch=config.batch, dtype=config.dtype,
                   device=config.device, compile=config.compile, peak_flops_per_s=peak)
-    if mixer in MIXER_FLOPS:  # otherwise the FLOP fields stay empty and time scales with N
-        counts = model_flops(config.model_settings(mixer), n, config.batch)
+    counted = "flare" if mixer == REFERENCE_MIXER else mixer  # the same products as ours
+    if counted in MIXER_FLOPS:  # otherwise the FLOP fields stay empty and time scales with N
+        counts = model_flops(config.model_settings(counted), n, config.batch)
         record.update(flops=counts["step"], flops_forward=counts["forward"])
     est_mem, est_time = estimate_point(config, n, record["flops"], previous, peak)
     record.update(estimated_mem_bytes=est_mem, estimated_time_s=est_time)

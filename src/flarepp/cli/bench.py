@@ -53,8 +53,12 @@ def _sizes(text: str) -> list[int]:
 def _scaling(args: argparse.Namespace) -> int:
     from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, ratios,
                                        run_scaling, write_outputs)
+    from flarepp.bench.reference import REFERENCE_MIXER
+    mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
+    if args.reference_repo and REFERENCE_MIXER not in mixers:
+        mixers.append(REFERENCE_MIXER)
     config = ScalingConfig(
-        mixers=[m.strip() for m in args.mixers.split(",") if m.strip()], sizes=args.n,
+        mixers=mixers, sizes=args.n, reference_repo=args.reference_repo,
         batch=args.batch, dim=args.dim, heads=args.heads, blocks=args.blocks,
         latents=args.latents, dtype=args.dtype, device=args.device, repeats=args.repeats,
         warmup=args.warmup, time_budget_s=args.time_budget, threads=args.threads,
@@ -69,6 +73,13 @@ def _scaling(args: argparse.Namespace) -> int:
         for r in rows:
             cpu = f"{r['cpu_time_ratio']:8.3f}" if r["cpu_time_ratio"] else "       -"
             print(f"{r['n']:>26d}   {r['time_ratio']:9.3f}   {cpu}   {r['mem_ratio']:11.3f}")
+    for mixer in ("flare", "flarepp"):
+        rows = ratios(result["records"], REFERENCE_MIXER, mixer)
+        if rows:
+            print(f"\nFLARE study's FLAREModel / flarepp {mixer}:  N   step time   (CPU time)")
+            for r in rows:
+                cpu = f"{r['cpu_time_ratio']:8.3f}" if r["cpu_time_ratio"] else "       -"
+                print(f"{r['n']:>40d}   {r['time_ratio']:9.3f}   {cpu}")
     if args.json:
         paths = write_outputs(result, Path(args.json))
         print("\nwrote " + ", ".join(str(p) for p in paths.values()))
@@ -112,6 +123,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (flarepp.compile_model); compile time is "
                         "spent in the warm-up step")
+    p.add_argument("--reference-repo", metavar="PATH", default=None,
+                   help="a clone of the FLARE study's code (GitHub vpuri3/FLARE.py): also "
+                        "time its own FLAREModel at the same settings, as mixer "
+                        "'flare-study' (imported from PATH at run time; needs einops)")
     p.add_argument("--json", metavar="OUT.json",
                    help="write records here, with OUT.csv and OUT.png beside it")
     p.set_defaults(func=_scaling)

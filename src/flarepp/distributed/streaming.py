@@ -35,12 +35,17 @@ hidden state ``h_l`` of all N tokens is kept between blocks, and each block runs
 
 Cost. No block is ever replayed from the model's input: every token goes once through
 ``embed``, ``head`` and each block's decode, output projection and FFN; the ``E_l`` encode
-passes of a block recompute only what precedes the encode they stop at (the pre-norm, the
-input projection and the per-head norms) besides computing the encode itself. Per token and
-block, with C=128, M=64 that is 1.22x the multiply-adds of the unchunked block for FLARE
-(``2C^2`` recomputed on top of ``9C^2``) and 1.55x for FLARE++ (twice ``3C^2`` on top of
-``11C^2``), against ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays the
-model from its input. With a process group each pass's merged partial is further merged
+passes of a block recompute only the pre-norm and the projections that the encode they
+stop at reads, besides computing the encode itself. A FLARE-family mixer projects each of
+its keys and values separately and asks the backend first whether an encode is already
+held (:meth:`~flarepp.ops.AttentionBackend.held_encode`), so a pass computes no projection
+that only an earlier pass's encode reads. Per token and block, with C=128, M=64 that is
+``C^2`` recomputed on top of ``9C^2`` for FLARE (pass 1: ``W_K, W_V``; last pass:
+``W_K``), 1.11x the multiply-adds of the unchunked block, and ``C^2`` on top of ``11C^2``
+for FLARE++ (pass 1: ``W~_K``; pass 2: ``W_K, W_V``; last pass: ``W_K``), 1.09x; against
+``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays the model from its
+input. Chunks of 16K tokens also keep a pass's working set in cache, which an unchunked
+forward over a large mesh does not. With a process group each pass's merged partial is further merged
 across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every rank streams its
 own token shard, exactly over the whole mesh.
 

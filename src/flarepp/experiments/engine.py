@@ -193,14 +193,10 @@ def continue_command(out_dir: str | Path) -> str:
 
 
 def open_study(out_dir: str | Path) -> Study:
-    """The study stored in ``out_dir`` (a sweep or Pareto study an earlier flarepp stored
-    as ``sweep.json`` / ``pareto.json`` is converted once: :mod:`.studies`)."""
+    """The study stored in ``out_dir`` (``study.json``; a directory an earlier flarepp
+    started is opened by :func:`flarepp.experiments.studies.open_any_study`)."""
     path = Path(out_dir) / STUDY_NAME
     if not path.exists():
-        from flarepp.experiments.studies import legacy_study
-        legacy = legacy_study(out_dir)
-        if legacy is not None:
-            return create_study(out_dir, legacy)
         raise FileNotFoundError(f"{str(path)!r} does not exist: no study was started in "
                                 f"{str(out_dir)!r}")
     return Study.from_dict(json.loads(path.read_text()))

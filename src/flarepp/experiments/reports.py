@@ -12,8 +12,8 @@ precision, seed, SDPA scale).
 :func:`aggregate` is the one seed aggregation: mean, sample standard deviation (ddof 1;
 NaN for one run) and count per group of finished runs.
 
-:func:`write_report` writes ``results.csv`` and ``report.md`` from the plug-ins the study
-names (:data:`REPORTS`): ``runs`` (every point, failed ones with their error), ``seeds``
+:func:`flarepp.experiments.reporting.write_report` writes ``results.csv`` and ``report.md``
+from the plug-ins the study names (:data:`REPORTS`): ``runs`` (every point, failed ones with their error), ``seeds``
 (Table 11), ``depth`` (Figure 4), ``precision`` (Figure 7), ``cost`` (Figure 5), ``table1``
 (Table 1) and ``lra`` (Table 12). A plug-in that does not apply (one depth, no 16-bit
 runs) writes nothing.
@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flarepp.experiments.engine import Study, finite, open_study, point_state, read_events
-from flarepp.io import atomic_write_text
+from flarepp.experiments.engine import Study, finite, point_state, read_events
+from flarepp.experiments.studies import open_any_study
 from flarepp.registry import Registry
 
 # ---------------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def collect(out_dir: str | Path) -> tuple[Study, list[dict[str, Any]]]:
     """The study of ``out_dir`` and one row per point (module docstring)."""
     from flarepp.tasks import TASKS
     out_dir = Path(out_dir)
-    study = open_study(out_dir)
+    study = open_any_study(out_dir)
     last_error: dict[str, str | None] = {}
     for e in read_events(out_dir):  # the newest error since the point last (re)started
         if e["event"] == "error":
@@ -300,37 +300,5 @@ def precision_report(rep: Report) -> None:
     rep.lines += ["", f"![Figure 7]({path.name})"]
 
 
-def write_report(out_dir: str | Path) -> dict[str, Path]:
-    """``results.csv``, ``report.md`` and what the study's plug-ins write, in ``out_dir``."""
-    out_dir = Path(out_dir)
-    study, rows = collect(out_dir)
-    rep = Report(study, rows, out_dir)
-    rep.paths.update(csv=out_dir / "results.csv", markdown=out_dir / "report.md")
-    metrics = list(dict.fromkeys(f"test_{r['metric']}" for r in rows))
-    fields = list(dict.fromkeys(
-        [*rep.label_keys, *metrics, "status", "error", "mixer", "blocks", "latents",
-         "precision", "seed", "sdpa_scale", "metric", "value", "train_value", "params",
-         "seconds", "epochs", "device", "point"]))
-    for name in ["runs"] + [n for n in study.reports if n != "runs"]:
-        REPORTS.get(name)(rep)
-    fields = list(dict.fromkeys(fields + [k for r in rows for k in r]))  # plug-ins' columns
-    atomic_write_text(rep.paths["csv"], csv_text(
-        [fields] + [["" if r.get(k) is None else r.get(k) for k in fields] for r in rows]))
-    title = {"sweep": "Sweep", "compare": "Comparison", "lra": "LRA comparison",
-             "pareto": "Error against training cost"}.get(study.kind, study.kind)
-    head = [f"# {title}: {out_dir.name}", "",
-            f"Continue with `{study.continue_with}`; data: "
-            + ", ".join(sorted({f"`{p.config.data_root}`" for p in study.points})) + "."]
-    if study.kind == "sweep":
-        head += ["", f"Preset `{study.info.get('preset')}`; grid: " + ", ".join(
-            f"`{k}` = {', '.join(v)}" for k, v in study.info.get("axes", [])) + "."]
-    atomic_write_text(rep.paths["markdown"], "\n".join(head + [""] + rep.lines) + "\n")
-    return rep.paths
-
-
-# the plug-ins of the other studies register themselves
-from flarepp.experiments import report_cost, report_tables  # noqa: E402,F401
-
-
 __all__ = ["Group", "REPORTS", "Report", "aggregate", "collect", "precision_ratios",
-           "spread", "write_report"]
+           "spread"]

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from flarepp.experiments.engine import Point, Study
+from flarepp.experiments.engine import STUDY_NAME, Point, Study, create_study, open_study
 from flarepp.storage.config import RunConfig
 from flarepp.train.checks import apply_overrides
 
@@ -265,6 +265,16 @@ def pareto_study(base: RunConfig, mixers: Sequence[str], blocks: Sequence[int],
 # directories of an earlier flarepp
 
 
+def open_any_study(out_dir: str | Path) -> Study:
+    """The study of ``out_dir``: its ``study.json``, or a sweep or Pareto study an earlier
+    flarepp stored as ``sweep.json`` / ``pareto.json``, converted once."""
+    if not (Path(out_dir) / STUDY_NAME).exists():
+        legacy = legacy_study(out_dir)
+        if legacy is not None:
+            return create_study(out_dir, legacy)
+    return open_study(out_dir)
+
+
 def legacy_study(out_dir: str | Path) -> Study | None:
     """The study of a directory an earlier ``flarepp sweep`` (``sweep.json``: base config,
     axes, data) or ``drivaerml pareto`` (``pareto.json``: base, points, data) started, with
@@ -277,7 +287,7 @@ def legacy_study(out_dir: str | Path) -> Study | None:
             break
     else:
         return None
-    base = dataclasses.replace(RunConfig.from_dict(stored["base"]),
+    base = dataclasses.replace(RunConfig.from_stored(stored["base"]),
                                data_root=stored["data_root"])
     if name == "sweep.json":
         axes = [(k, list(v)) for k, v in stored["axes"]]
@@ -297,5 +307,5 @@ def legacy_study(out_dir: str | Path) -> Study | None:
                  timing_epochs=2)
 
 
-__all__ = ["compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study",
+__all__ = ["compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
            "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study"]
