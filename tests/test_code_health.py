@@ -26,7 +26,7 @@ from flarepp.mixers.flare import LowRankRouting
 from flarepp.models import MODELS, model_from_config
 from flarepp.models.latent import LatentSelfAttentionBlock
 from flarepp.ops import FUSED, AttentionBackend, set_backend
-from flarepp.paper import (DATASETS, INPUT_CHANNELS, TABLE7, TABLE8, TABLE9, TABLE10,
+from flarepp.paper import (TABLE1_DATASETS, INPUT_CHANNELS, TABLE7, TABLE8, TABLE9, TABLE10,
                            TABLE10_FLARE_STUDY)
 from flarepp.registry import Registry
 from reference import ExplicitBackend
@@ -143,7 +143,7 @@ def test_paper_presets_follow_tables_7_and_8():
     could drift from the others unnoticed."""
     from flarepp.experiments.comparison import PAPER_BACKBONE, PAPER_SETTINGS
     from flarepp.train import RunConfig, get_preset
-    assert tuple(TABLE8) == DATASETS
+    assert tuple(TABLE8) == TABLE1_DATASETS
     for dataset, row in TABLE8.items():
         preset = get_preset(dataset)
         assert (preset.model["blocks"], preset.model["latents"], preset.batch_size,
@@ -168,11 +168,11 @@ def test_table9_deviations_are_what_the_comparison_builds():
     from flarepp.mixers import mixer_config
     assert mixer_config("abupt").anchors == TABLE9["abupt"].fixed["anchors"]
     for name in ("perceiver-io", "lno", "gnot"):
-        for dataset in DATASETS:
+        for dataset in TABLE1_DATASETS:
             kwargs = comparison_model_kwargs(name, dataset)
             assert TABLE9[name].on(dataset).items() <= kwargs.items(), (name, dataset)
     assert set(TABLE10_FLARE_STUDY) == {"perceiver-io", "lno", "gnot"}
-    assert all(set(row) == set(DATASETS) for row in TABLE10.values())
+    assert all(set(row) == set(TABLE1_DATASETS) for row in TABLE10.values())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -199,3 +199,58 @@ def test_non_finite_loss_still_stops_training(monkeypatch, tmp_path):
             trainer.train_epoch()
     finally:
         trainer.close()
+
+
+def test_weight_average_equals_torch_ema_without_host_reads(monkeypatch):
+    """flarepp's EMA (train/ema.py) gives torch's AveragedModel EMA bit for bit (parameters,
+    float and integer buffers, a resume through load_state_dict) while its updates read no
+    tensor on the host: torch's compares the device counter n_averaged on the host twice
+    per update, i.e. two waits for the GPU in every training step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from flarepp.train.ema import WeightAverage
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.register_buffer("running", torch.zeros(3))
+            self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    torch.manual_seed(0)
+    net = Net()
+    ours = WeightAverage(net, 0.9)
+    ref = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+
+    def step():
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+            net.running.add_(1.0)
+            net.seen.add_(3)
+
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            reads.append(_name)
+            return _original(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(3):
+        step()
+        reads.clear()
+        ours.update_parameters(net)
+        assert reads == [], reads
+        ref.update_parameters(net)
+        assert reads  # torch's own reads its counter: the counting is live
+    monkeypatch.undo()
+    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), name
+    resumed = WeightAverage(Net(), 0.9)
+    resumed.load_state_dict(ours.state_dict())
+    step()
+    resumed.update_parameters(net)
+    ref.update_parameters(net)
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), name

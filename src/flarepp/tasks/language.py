@@ -116,8 +116,8 @@ class LanguageModelTask(Task):
 
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
         ids = batch["ids"]
-        return token_sum(torch.tensor(float(ids.shape[0] * (ids.shape[1] - 1)),
-                                      device=ids.device))
+        return token_sum(torch.full((), float(ids.shape[0] * (ids.shape[1] - 1)),
+                                    device=ids.device))
 
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
         targets = batch["ids"][:, 1:]

@@ -130,6 +130,7 @@ class RolloutTask(Task):
 
     def set_statistics(self, stats: dict[str, Any]) -> None:
         self.stats = dict(stats)
+        self.__dict__.pop("_device_cache", None)  # made from the statistics
         self._param_mean = np.asarray(stats["param_mean"], np.float64)
         self._param_std = np.asarray(stats["param_std"], np.float64)
 
@@ -217,6 +218,21 @@ class RolloutTask(Task):
                            east + west + north + south - 4 * u], dim=-1)
         return out.reshape(len(u_BN), R * R, 4)
 
+    def _device_constants(self, device: torch.device, dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(point_xy [N, 2], stencil std [4])`` on ``device``, copied from host memory once
+        per (device, dtype): a copy in every forward would wait for the device's queued work
+        (pageable host memory)."""
+        cache = self.__dict__.setdefault("_device_cache", {})
+        if (device, dtype) not in cache:
+            host = (torch.as_tensor(self.point_xy, dtype=dtype),
+                    torch.as_tensor(self.stats["stencil_std"], dtype=dtype))
+            cache[(device, dtype)] = tuple(t.to(device) for t in host)
+        return cache[(device, dtype)]
+
+    def __getstate__(self) -> dict:  # device tensors stay out of pickles (loader workers)
+        return {k: v for k, v in self.__dict__.items() if k != "_device_cache"}
+
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Predicted states ``[B, S, N]`` for the ``S = states - history - 1`` steps after
         the start state, each step fed the previous prediction."""
@@ -224,9 +240,7 @@ class RolloutTask(Task):
         states = (batch["states"] - s["u_mean"]) / s["u_std"]              # normalised
         history, current = states[:, :k], states[:, k]
         valid, time = batch["lag_valid"], batch["time"]
-        point_xy = torch.as_tensor(self.point_xy, device=states.device, dtype=states.dtype)
-        stencil_std = torch.as_tensor(s["stencil_std"], device=states.device,
-                                      dtype=states.dtype)
+        point_xy, stencil_std = self._device_constants(states.device, states.dtype)
         scale = s["delta_std"] / s["u_std"]
         preds = []
         for step in range(states.shape[1] - k - 1):
@@ -254,8 +268,8 @@ class RolloutTask(Task):
         return token_sum(err.square().sum())
 
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
-        return token_sum(torch.tensor(float(self._targets(batch).numel()),
-                                      device=batch["states"].device))
+        return token_sum(torch.full((), float(self._targets(batch).numel()),
+                                    device=batch["states"].device))
 
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
         true = self._targets(batch).double()

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from flarepp.data import DatasetSplits
@@ -53,6 +52,7 @@ from flarepp.storage.checkpoint import (CheckpointError, checkpoint_epoch,
 from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
 from flarepp.inference.evaluate import evaluate_weights, weight_metrics
+from flarepp.train.ema import WeightAverage
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
 from flarepp.data.fingerprint import check_same_data
 from flarepp.storage.rundir import RunLock
@@ -162,8 +162,7 @@ class Trainer:
 
         torch.manual_seed(c.seed)
         self.model = task.build_model().to(self.device)
-        self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(c.ema_decay),
-                                 use_buffers=True)
+        self.ema = WeightAverage(self.model, c.ema_decay)
         self._wrap()
         self.optimizer = build_optimizer(self.model, c)
         self.latent_schedule = c.schedule()
