@@ -319,7 +319,8 @@ def test_json_decoding_errors_name_the_file(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"name": ')
     (tmp_path / "metrics.json").write_text("{}")
     assert cli(["plot", str(tmp_path)]) == 1
-    assert f"{tmp_path / 'config.json'}: not valid JSON at line 1, column 10" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'config.json'}: not valid JSON at line 1, column 10" in err
     from flarepp.io import UnreadableFile, read_json_lines
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 1}\n{"epoch": 2\n')
@@ -451,3 +452,19 @@ def test_generate_refuses_a_kv_cache_beyond_memory(tmp_path, capsys):
     assert code == 2
     assert "--max-new-tokens 1000000000000: attention-causal's KV cache" in err
     assert "GiB free on cpu; at most" in err and "new tokens fit" in err
+
+
+def test_a_relative_split_file_is_never_taken_from_the_working_directory(tmp_path):
+    """A surface-flow directory killed mid-generation (no `split.json`, which is written
+    last) trained without complaint when a `split.json` sat in the working directory: a
+    relative split file was looked for there too. Now only in the data directory, and its
+    absence is a DataError saying the directory was not finished."""
+    pytest.importorskip("vtkmodules")
+    from flarepp.data import DataError, load_dataset
+    root, split, _, _ = _surface(tmp_path)
+    Path("split.json").write_text(split.read_text())     # the test's own working directory
+    with pytest.raises(DataError) as err:
+        load_dataset("drivaerml", root, split_file="split.json")
+    assert f"'split.json' is missing from the data directory {str(root)!r}" in str(err.value)
+    (root / "split.json").write_text(split.read_text())
+    assert load_dataset("drivaerml", root, split_file="split.json").cars("train") == ["run_3"]

@@ -11,9 +11,12 @@ Covered: the CUDA ``encode_with_lse`` (both cotangents, one cotangent, masks, D 
 multiple of 8, M not a multiple of 32, N = 1, float64's explicit path, under autocast);
 every registered mixer in the surrogate, forward and backward under CUDA autocast in
 fp32/bf16/fp16; the context-parallel model (a 1-rank gloo group) and streaming with inputs
-and hidden state on the device or the host. A host read of a device value (``.item()``, a
-shape check by ``torch.equal``) fails on a fake tensor, so these tests also catch a host
-sync put back into the encoder's path.
+and hidden state on the device or the host; one trainer step of the fields, rollout,
+sequence and surface tasks in the three precisions, EMA included; the trainer's checkpoint written on
+CUDA and resumed on the CPU. A host read of a device value
+(``.item()``, ``bool()``, a shape check by ``torch.equal``) or a copy of a Python list or
+scalar to the device inside a step fails on fake tensors, so these tests also catch such a
+host sync put back into the encoder's path or the training step.
 
 What this tier cannot see: numbers (every result is a fake tensor; kernel numerics are
 checked against float64 by tests/test_cuda.py on a GPU, and by the CPU emulation in
@@ -21,10 +24,7 @@ tests/test_kernels_cpu_emulation.py), which fused kernel F.scaled_dot_product_at
 on a GPU (it runs its math decomposition here), NCCL, CUDA streams and memory, Inductor on
 CUDA. Mixers whose control flow depends on tensor values (``abupt``'s anchor selection and
 the causal scans' chunking read data) cannot run on fake tensors and are listed in
-VALUE_DEPENDENT with the reason. Not here either: a trainer step of each task (the tasks'
-losses turn numpy statistics into device tensors and GradScaler reads its inf flag on the
-host; neither can be faked) and checkpoint writing (torch cannot pickle these fake
-tensors); tests/test_cuda_training.py covers both on a GPU.
+VALUE_DEPENDENT with the reason, and so are the language-model task's training steps.
 
 Skipped, with the reason, where no C++ compiler (or ninja) is available to build the
 extension, and on CUDA builds of torch. Shape letters: B batch, H heads, M latents, N tokens,
@@ -32,6 +32,8 @@ D head width, C channels.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -317,53 +319,61 @@ def _task_configs(root):
     }
 
 
+def _surface_config(root):
+    """The full-surface task on two generated surfaces of 1,500 cells (needs VTK)."""
+    pytest.importorskip("vtkmodules", reason="the surface task reads .vtp files with VTK")
+    from flarepp.data.generators import make_surface_flow
+    from flarepp.train import RunConfig, check_run_config
+    make_surface_flow(root, n_train=2, n_test=2, resolution=1500, seed=3, progress=False)
+    return check_run_config(RunConfig(
+        name="surface-fake-cuda", task="surface", dataset="drivaerml", data_root=str(root),
+        dataset_options={"split_file": "split.json", "cells_per_step": 256},
+        model={"mixer": "flarepp", "dim": 16, "heads": 2, "blocks": 1, "latents": 4},
+        epochs=1, batch_size=1, device="cpu", loader_workers=0))
+
+
+class _TaskConfigs(dict):
+    """The tasks' configs, the surface task's data generated on first use only."""
+
+    def __init__(self, root):
+        super().__init__(_task_configs(root))
+        self.root = root
+
+    def __missing__(self, key):
+        if key != "surface":
+            raise KeyError(key)
+        self[key] = _surface_config(self.root / "surface-flow")
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def task_configs(tmp_path_factory):
-    return _task_configs(tmp_path_factory.mktemp("tasks"))
+    return _TaskConfigs(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("task", ["fields", "rollout", "sequence"])
+@pytest.mark.parametrize("task", ["fields", "rollout", "sequence", "surface"])
 def test_trainer_step_on_cuda(task_configs, tmp_path, monkeypatch, task, precision):
-    """One Trainer.train_step of each task kind on CUDA in fp32/bf16/fp16: the batch moved
+    """One Trainer.train_step of each task kind (PDE fields, rollout, LRA sequence
+    classification, car surfaces) on CUDA in fp32/bf16/fp16: the batch moved
     to the device, the task's forward under CUDA autocast, its loss and count, backward
     through GradScaler (fp16), gradient clipping, AdamW and the scheduler; the step's loss
     comes back as a CUDA tensor, and the EMA is updated on the device. No step reads a
-    device value on the host (a fake tensor has none; nor may the step copy host data to
-    the device, which the fake mode cannot express either: per-step copies of a task's
-    constants failed here). A failure is a device or dtype mix in the task or the loop (a
-    CPU tensor in a CUDA loss, a float64 constant under autocast) or a host sync per step.
+    device value on the host (a fake tensor has none; nor can the fake mode copy a Python
+    list or scalar to the device: the rollout task's per-step copy of its constants
+    failed here). A failure is a device or dtype mix in the task or the loop (a CPU tensor
+    in a CUDA loss, a float64 constant under autocast) or a host sync per step.
 
     One host read of torch's own is replaced, as a fake tensor cannot be read: the
     GradScaler's decision to skip a step with non-finite gradients (fp16) steps
     unconditionally. The language-model task trains causal mixers (value-dependent, see
-    VALUE_DEPENDENT) and the surface task needs generated car surfaces (CPU minutes):
-    neither is here."""
-    from flarepp.device import grad_scaler
-    from flarepp.inference.batching import epoch_keys, make_loader
-    from flarepp.inference.engine import Engine
+    VALUE_DEPENDENT) and is not here."""
     from flarepp.train import Trainer, apply_overrides
-    from flarepp.train.optim import build_optimizer, build_scheduler
     config = apply_overrides(task_configs[task], [f"precision={precision}"])
     trainer = Trainer(config, tmp_path / "run", progress=False)
     try:
-        keys = epoch_keys(torch.arange(trainer.n_train).numpy(), config.batch_size, 0, 1, 0)
-        micro, weight = next(iter(make_loader(trainer.task, "train", keys[:1], training=True,
-                                              workers=0, pin_memory=False)))
-        monkeypatch.setattr(torch.amp.GradScaler, "_maybe_opt_step",
-                            lambda self, optimizer, state, *a, **k: optimizer.step(*a, **k))
-        with fake_cuda.fake_cuda(), EfficientAttentionRules():
-            dev = torch.device("cuda", 0)
-            fake_cuda.to_fake_cuda(trainer.model)
-            fake_cuda.to_fake_cuda(trainer.ema)
-            trainer.device = dev
-            trainer.engine = Engine(trainer.task, dev, precision)
-            trainer.optimizer = build_optimizer(trainer.model, config)
-            trainer.scheduler = build_scheduler(trainer.optimizer, config, 100)
-            trainer.scaler = grad_scaler(precision, dev)
-            micro = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-                     for b in micro]
-            loss = trainer.train_step(micro, weight)
+        with _on_fake_cuda(trainer, monkeypatch) as micro_weight:
+            loss = trainer.train_step(*micro_weight)
             assert loss.device.type == "cuda" and loss.dim() == 0
             assert trainer.ema._host_count == 1
             assert all(p.device.type == "cuda" for p in trainer.ema.parameters())
@@ -373,3 +383,84 @@ def test_trainer_step_on_cuda(task_configs, tmp_path, monkeypatch, task, precisi
                        for s in trainer.optimizer.state.values())
     finally:
         trainer.close()
+
+
+@contextlib.contextmanager
+def _on_fake_cuda(trainer, monkeypatch):
+    """``trainer`` (built on the CPU) moved to fake CUDA the way it would have been built
+    there: model, EMA, a fresh optimiser, scheduler and scaler, the engine on ``cuda:0``;
+    yields its first training batch ``(micro-batches, weight)`` on the device."""
+    from flarepp.device import grad_scaler
+    from flarepp.inference.batching import epoch_keys, make_loader
+    from flarepp.inference.engine import Engine
+    from flarepp.train.optim import build_optimizer, build_scheduler
+    config = trainer.config
+    keys = epoch_keys(torch.arange(trainer.n_train).numpy(), config.batch_size, 0, 1, 0)
+    micro, weight = next(iter(make_loader(trainer.task, "train", keys[:1], training=True,
+                                          workers=0, pin_memory=False)))
+    monkeypatch.setattr(torch.amp.GradScaler, "_maybe_opt_step",
+                        lambda self, optimizer, state, *a, **k: optimizer.step(*a, **k))
+    with fake_cuda.fake_cuda(), EfficientAttentionRules():
+        dev = torch.device("cuda", 0)
+        fake_cuda.to_fake_cuda(trainer.model)
+        fake_cuda.to_fake_cuda(trainer.ema)
+        trainer.device = dev
+        trainer.engine = Engine(trainer.task, dev, config.precision)
+        trainer.optimizer = build_optimizer(trainer.model, config)
+        trainer.scheduler = build_scheduler(trainer.optimizer, config, 100)
+        trainer.scaler = grad_scaler(config.precision, dev)
+        yield ([{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                for b in micro], weight)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_checkpoint_written_on_cuda_resumes_on_the_cpu(task_configs, tmp_path, monkeypatch,
+                                                       precision):
+    """The trainer's checkpoint after a step on CUDA (model, EMA, AdamW moments, scheduler,
+    the fp16 scaler, the CUDA RNG state), written by flarepp's writer with the tensors'
+    bytes left empty (torch.serialization.skip_data: fake tensors have none), resumes on
+    the CPU through the weights-only reader: every tensor lands on the CPU with its shape
+    and dtype. A failure is a device-specific object in the checkpoint or a restore that
+    does not map to the host.
+
+    skip_data empties the host RNG states too, which the resume then refuses (they are
+    real generator states): they are put back into the file before resuming. The fp16
+    scaler's state_dict reads its scale and growth tracker on the host (once per save);
+    those two reads return the initial values here."""
+    from flarepp.storage.checkpoint import read_checkpoint, save_checkpoint
+    from flarepp.train import Trainer, apply_overrides
+    from flarepp.train.loop import checkpoint_path
+    config = apply_overrides(task_configs["fields"], [f"precision={precision}"])
+    trainer = Trainer(config, tmp_path / "run", progress=False)
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in trainer.model.state_dict().items()}
+    monkeypatch.setattr(torch.cuda, "get_rng_state",  # a host byte tensor, as on a GPU
+                        lambda device=None: torch.zeros(16, dtype=torch.uint8, device="cpu"))
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: 2.0 ** 16)
+    monkeypatch.setattr(torch.amp.GradScaler, "_get_growth_tracker", lambda self: 0)
+    path = checkpoint_path(tmp_path / "run", 1)
+    try:
+        with _on_fake_cuda(trainer, monkeypatch) as micro_weight:
+            trainer.train_step(*micro_weight)
+            trainer.epoch = 1
+            state = trainer.state()
+            assert all(v.device.type == "cuda" for v in state["model"].values())
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                save_checkpoint(path, state)
+    finally:
+        trainer.close()
+    loaded = read_checkpoint(path)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in loaded["model"].items()} == shapes
+    moments = [t for s in loaded["optimizer"]["state"].values() for t in s.values()
+               if isinstance(t, torch.Tensor)]
+    assert moments and all(t.device.type == "cpu" for t in moments)
+    assert loaded["rng"]["cuda"].device.type == "cpu"
+    loaded["rng"]["torch"] = torch.get_rng_state()  # emptied by skip_data (see above)
+    loaded["rng"]["shuffle"] = torch.Generator().get_state()
+    loaded.pop("format_version")
+    save_checkpoint(path, loaded)
+    resumed = Trainer(config, tmp_path / "run", progress=False, resume=True, device="cpu")
+    try:
+        assert resumed.epoch == 1 and resumed.device.type == "cpu"
+        assert all(p.device.type == "cpu" for p in resumed.model.parameters())
+    finally:
+        resumed.close()

@@ -143,6 +143,18 @@ def atomic_write_npz(path: str | Path, arrays: Mapping[str, Any], *,
     return atomic_write(path, write)
 
 
+def append_line(path: str | Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (a log), flushed to the file system; a
+    failed write (a full disk) raises an ``OSError`` naming ``path``."""
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
+
+
 class UnreadableFile(ValueError):
     """A file flarepp wrote earlier (a run's ``config.json``, ``log.jsonl``, ``metrics.json``)
     that no longer decodes: the message names the file and the place."""
@@ -182,6 +194,6 @@ def read_json_lines(path: str | Path) -> list[Any]:
     return records
 
 
-__all__ = ["UnreadableFile", "atomic_write", "atomic_write_all", "atomic_write_bytes",
-           "atomic_write_json", "atomic_write_npz", "atomic_write_text", "fsync_directory",
-           "is_temporary", "read_json", "read_json_lines"]
+__all__ = ["UnreadableFile", "append_line", "atomic_write", "atomic_write_all",
+           "atomic_write_bytes", "atomic_write_json", "atomic_write_npz", "atomic_write_text",
+           "fsync_directory", "is_temporary", "read_json", "read_json_lines"]

@@ -2,56 +2,108 @@
 
 The prompt runs once through the parallel form; every new byte is one recurrent step
 (for causal FLARE an ``O(H M D)`` state per block, whatever the length;
-:func:`flarepp.models.causal_lm.generate`). The text goes to stdout, the timing and the
-decoding state's size to stderr.
+:func:`flarepp.models.causal_lm.generate_stream`). The text goes to stdout byte by byte as
+it is sampled, flushed each time, so a long request shows its output at once and Ctrl-C or
+SIGTERM stops it with everything generated so far written (exit 130 / 143); the timing and
+the decoding state's size go to stderr. A request whose KV cache (causal attention) would
+not fit the device's free memory is refused before any work.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import math
+import os
 import sys
 import time
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, at_least
 from flarepp.device import DEVICE_HELP
 
 
-def _non_negative(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-        return value
-    return parse
+def _finite_non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _check_memory(model, prompt_tokens: int, new_tokens: int, device) -> None:
+    """Refuse a request whose decoding state cannot fit ``device``'s free memory.
+
+    Causal attention's KV cache grows by ``2 H D`` numbers per block and token and is
+    reserved for the prompt and every new token up front; causal FLARE's state has a fixed
+    size, so only time bounds its request (and the output is streamed)."""
+    from flarepp.device import available_memory
+    from flarepp.models.decoding import state_bytes
+    per_token = (state_bytes(model.initial_state(1, capacity=2))[1]
+                 - state_bytes(model.initial_state(1, capacity=1))[1])
+    if per_token <= 0:
+        return
+    need, free = per_token * (prompt_tokens + new_tokens), available_memory(device)
+    if need > free:
+        fits = max(free // per_token - prompt_tokens, 0)
+        raise CLIError(f"--max-new-tokens {new_tokens}: {model.config.mixer}'s KV cache for "
+                       f"{prompt_tokens + new_tokens} tokens needs {need / 2**30:.1f} GiB, "
+                       f"more than the {free / 2**30:.1f} GiB free on {device}; at most "
+                       f"{fits} new tokens fit")
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from flarepp.cli import Terminated
     from flarepp.device import resolve_device
-    from flarepp.models.causal_lm import generate
+    from flarepp.models.causal_lm import generate_stream
     from flarepp.models.decoding import state_bytes
     from flarepp.storage.checkpoint import load_causal_lm
     prompt = args.prompt.encode("utf-8")
     if not prompt:
         raise CLIError("--prompt must hold at least one character")
-    if args.top_k is not None and args.top_k < 1:
-        raise CLIError(f"--top-k must be >= 1, got {args.top_k}")
     device = resolve_device(args.device)
     model = load_causal_lm(args.checkpoint, device=device, ema=not args.live_weights)
+    _check_memory(model, len(prompt), args.max_new_tokens, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = sys.stdout
+    produced, states, stopped = 0, None, None
     start = time.perf_counter()
-    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, generator=generator)
+    out.write(text.decode(prompt))
+    out.flush()
+    try:
+        for token, states in generate_stream(model, ids, args.max_new_tokens,
+                                             temperature=args.temperature, top_k=args.top_k,
+                                             generator=generator):
+            out.write(text.decode(bytes([int(token[0])])))  # each byte as it is sampled
+            out.flush()
+            produced += 1
+    except (KeyboardInterrupt, Terminated) as err:
+        stopped = err
+    except BrokenPipeError:   # the reader went away (`| head`): stop, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stopped = "the reader closed the output"
     seconds = time.perf_counter() - start
-    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
-    with torch.no_grad():
-        _, states = model.prefill(out[:, :-1])
-    used, _ = state_bytes(states)
-    print(f"[{model.config.mixer}: {args.max_new_tokens} bytes in {seconds:.2f} s, "
-          f"{args.max_new_tokens / max(seconds, 1e-9):.0f} bytes/s on {device}; decoding "
-          f"state after {out.shape[1] - 1} bytes: {used / 1024:.1f} KiB]", file=sys.stderr)
+    if not isinstance(stopped, str):
+        out.write(text.decode(b"", final=True) + "\n")
+        out.flush()
+    used = state_bytes(states)[0] if states is not None else 0
+    names = {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}
+    how = ("" if stopped is None else
+           f"stopped ({stopped}) " if isinstance(stopped, str) else
+           f"stopped by {names[type(stopped)]} ")
+    if stopped is not None:
+        how += f"after {produced} of {args.max_new_tokens} bytes, all written; "
+    print(f"[{model.config.mixer}: {how}{produced} bytes in {seconds:.2f} s, "
+          f"{produced / max(seconds, 1e-9):.0f} bytes/s on {device}; decoding state after "
+          f"{len(prompt) + max(produced - 1, 0)} bytes: {used / 1024:.1f} KiB]",
+          file=sys.stderr)
+    if isinstance(stopped, BaseException):
+        raise stopped
     return 0
 
 
@@ -61,11 +113,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="a run's checkpoint, e.g. runs/lm-tiny/checkpoints/"
                                       "epoch_0008.pt")
     p.add_argument("--prompt", default="def ", help="text to continue (UTF-8 bytes)")
-    p.add_argument("--max-new-tokens", type=_non_negative(int), default=200,
-                   help="bytes to generate (default 200)")
-    p.add_argument("--temperature", type=_non_negative(float), default=0.8,
+    p.add_argument("--max-new-tokens", type=at_least(0), default=200,
+                   help="bytes to generate (default 200), written as they are sampled")
+    p.add_argument("--temperature", type=_finite_non_negative, default=0.8,
                    help="softmax temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None,
+    p.add_argument("--top-k", type=at_least(1), default=None,
                    help="sample among the k most likely bytes (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)

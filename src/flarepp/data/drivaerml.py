@@ -23,7 +23,8 @@ Shape letters: N cells of one surface, P its points, K vertices of one polygon.
   and renames, ``meta.json`` last. ``meta.json`` records the source file's size, its
   modification time, a hash of its header and of blocks sampled through it
   (:func:`sampled_digest`: an edited file whose size and time were restored is seen too) and
-  the array names, so a changed source (or other field names) is converted again; later loads open the arrays with ``numpy.load(mmap_mode="r")``.
+  the array names, so a changed source (or other field names) is converted again; later
+  loads open the arrays with ``numpy.load(mmap_mode="r")``.
 * **Statistics** of the training split (bounding box of the centres, per-channel mean and
   std of the targets over every training cell) are computed streaming, chunk by chunk, in
   float64 with the pairwise update of Chan, Golub & LeVeque (1979), and cached as JSON.
@@ -420,6 +421,9 @@ class DrivAerMLSurfaces:
         self.cache_dir = self.root / CACHE_DIR_NAME if cache_dir is None else Path(cache_dir)
         self.pressure_array = pressure_array
         self.wall_shear_array = wall_shear_array
+        # sampled_digest per source, keyed by what any write changes (ctime even when the
+        # size and modification time are restored): a load per training step costs a stat
+        self._digests: dict[tuple, str] = {}
 
     # -- layout ---------------------------------------------------------------------------
 
@@ -457,8 +461,14 @@ class DrivAerMLSurfaces:
         stat = source.stat()
         return {"format": CACHE_FORMAT, "source": str(source.resolve()),
                 "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
-                "source_digest": sampled_digest(source),
+                "source_digest": self._digest(source, stat),
                 "arrays": [self.pressure_array, self.wall_shear_array]}
+
+    def _digest(self, source: Path, stat: os.stat_result) -> str:
+        key = (str(source), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        if key not in self._digests:
+            self._digests[key] = sampled_digest(source)
+        return self._digests[key]
 
     def load(self, car: str) -> SurfaceCar:
         """The run's arrays, memory-mapped from the cache (converted from the ``.vtp`` first

@@ -35,16 +35,22 @@ def check_options(*, test_split: str, cells_per_step: int, pressure_array: str,
 
 def resolve_split_file(root: Path, split_file: str | None) -> Path | None:
     """``None`` (the paper's split, shipped with the package), or ``split_file``: a relative
-    path is looked for in the data directory first, then in the working directory."""
+    path is read in the data directory ``root`` only (never in the working directory, where
+    an unrelated ``split.json`` would silently stand in for a missing one); an absolute path
+    as given."""
     if split_file is None:
         return None
     path = Path(split_file).expanduser()
-    if not path.is_absolute() and (root / path).is_file():
-        return root / path
-    if not path.is_file():
-        raise DataError(f"split file {split_file!r} found neither in {str(root)!r} nor in the "
-                        "working directory")
-    return path
+    if path.is_absolute():
+        if not path.is_file():
+            raise DataError(f"split file {str(path)!r} does not exist")
+        return path
+    if not (root / path).is_file():
+        raise DataError(f"split file {split_file!r} is missing from the data directory "
+                        f"{str(root)!r} (`flarepp data make surface-flow` writes split.json "
+                        "last: a directory without it was not finished, make it again); a "
+                        "split file elsewhere needs an absolute path")
+    return root / path
 
 
 @dataclass
@@ -81,7 +87,7 @@ def load_drivaerml(root: Path, *, split_file: str | None = None, cache_dir: str 
     """The full-surface DrivAerML files under ``root`` (module docstring).
 
     ``split_file``: JSON of run ids (default: the paper's split, Alkin et al. 2025; a
-    relative path is read from ``root`` first); ``cache_dir``: where converted arrays go
+    relative path is read from ``root`` only); ``cache_dir``: where converted arrays go
     (default ``root/.flarepp_cache``); ``pressure_array`` and ``wall_shear_array``: the cell
     arrays read; ``test_split``: ``test`` or ``val``; ``cells_per_step``: cells drawn from the
     geometry of each training step (100K in the paper).

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from flarepp.data import DatasetSplits
 from flarepp.device import grad_scaler, resolve_device, use_device
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.io import atomic_write_json, atomic_write_text
+from flarepp.io import append_line, atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
 from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
                                     steps_per_epoch, to_device_prefetched)
@@ -490,8 +490,7 @@ class Trainer:
                 record["eval_weights"] = c.eval_weights
             self.history.append(record)
             if self.is_writer:
-                with open(self.out_dir / "log.jsonl", "a") as log:
-                    log.write(json.dumps(record) + "\n")
+                append_line(self.out_dir / "log.jsonl", json.dumps(record))
             if self.progress:
                 shown = ""
                 if key in record:
