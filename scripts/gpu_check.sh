@@ -13,8 +13,10 @@
 #      M = 64 and BLOCKS blocks (default 8), printing the table. Points that would not fit
 #      the GPU's memory (at B = 8 and 8 blocks, the largest N), whose estimated steps
 #      exceed POINT_BUDGET seconds (default 60) or that would end the sweep past
-#      SWEEP_BUDGET seconds (default 170) are skipped with the reason; the process is
-#      stopped at SWEEP_TIMEOUT seconds (default 230).
+#      SWEEP_BUDGET seconds (default 170) are skipped with the reason, and so is a point
+#      that runs out of memory anyway; any other failure of a point (a kernel's input
+#      error, a worker killed) makes the sweep exit 1. The process is stopped at
+#      SWEEP_TIMEOUT seconds (default 230).
 #
 # Writes runs/gpu-check/scaling.{json,csv,png}. Exit status: 0 when both parts pass.
 set -uo pipefail

@@ -12,11 +12,11 @@ multiple of 8, M not a multiple of 32, N = 1, float64's explicit path, under aut
 every registered mixer in the surrogate, forward and backward under CUDA autocast in
 fp32/bf16/fp16; the context-parallel model (a 1-rank gloo group) and streaming with inputs
 and hidden state on the device or the host; one trainer step of the fields, rollout,
-sequence and surface tasks in the three precisions, EMA included; the trainer's checkpoint written on
-CUDA and resumed on the CPU. A host read of a device value
-(``.item()``, ``bool()``, a shape check by ``torch.equal``) or a copy of a Python list or
-scalar to the device inside a step fails on fake tensors, so these tests also catch such a
-host sync put back into the encoder's path or the training step.
+sequence and surface tasks in the three precisions, EMA included; the trainer's checkpoint
+written on CUDA and resumed on the CPU. A host read of a device value (``.item()``,
+``bool()``, a shape check by ``torch.equal``) or a copy of a Python list or scalar to the
+device inside a step fails on fake tensors, so these tests also catch such a host sync
+put back into the encoder's path or the training step.
 
 What this tier cannot see: numbers (every result is a fake tensor; kernel numerics are
 checked against float64 by tests/test_cuda.py on a GPU, and by the CPU emulation in
@@ -199,9 +199,10 @@ def _surrogate(name, precision):
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("name", MIXERS.names())
 def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
-    """The surrogate around each registered mixer, built on CUDA, forward and backward under CUDA autocast (fp32: none) with a padding mask: output on
-    CUDA in the autocast dtype's reach, every parameter gets a CUDA float32 gradient, and
-    every efficient-attention call keeps the kernel's rules. A failure here is a
+    """The surrogate around each registered mixer, its weights moved to CUDA, forward and
+    backward under CUDA autocast (fp32: none) with a padding mask: output on CUDA, every
+    parameter gets a CUDA float32 gradient, and every efficient-attention call keeps the
+    kernel's rules. A failure here is a
     CUDA-only shape, dtype, device or autocast defect in that mixer."""
     if name in VALUE_DEPENDENT:
         pytest.skip(VALUE_DEPENDENT[name])
@@ -291,7 +292,7 @@ def test_streaming_on_cuda(monkeypatch, hidden_on, inputs_on):
 # ----------------------------------------------------------------------------- the trainer
 
 def _task_configs(root):
-    """A tiny run of each trainable task kind (fields, rollout, sequence) with its data."""
+    """A tiny run of the fields, rollout and sequence tasks, with their data."""
     from flarepp.data.generators.advection_diffusion import make_advection_diffusion
     from flarepp.data.generators.darcy import make_darcy
     from flarepp.data.lra import make_listops

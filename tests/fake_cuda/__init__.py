@@ -11,8 +11,8 @@ the guard are removed again, so the rest of the process is the CPU build it was.
 :class:`EfficientAttentionRules`, a dispatch mode, checks every call of
 ``aten._scaled_dot_product_efficient_attention`` and its backward against that kernel's input
 rules, as PyTorch states them for the memory-efficient (xFormers-derived) kernel:
-``check_supported`` in ``aten/src/ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h``
-and ``kernel_backward.h`` (strides and data pointers aligned to 128 bits, the last dim of
+``check_supported`` in ``kernel_forward.h`` and ``kernel_backward.h`` (under
+``aten/src/ATen/native/transformers/cuda/mem_eff_attention/``) (strides and data pointers aligned to 128 bits, the last dim of
 every input contiguous, an additive bias of the query's dtype and the full ``[B, H, M, N]``
 shape, aligned strides), and the backward's wrapper in ``attention_backward.cu`` (``out``
 read with row stride ``H * Dv``, i.e. laid out ``[B, M, H, Dv]``; the forward's

@@ -199,7 +199,7 @@ class RolloutTask(Task):
             means = history_BkN.reshape(B, k, P, R // P, P, R // P).mean((3, 5))
             means = means.reshape(B, k, P * P, 1)                          # [B, k, P^2, 1]
             lag = (torch.arange(k, 0, -1, device=one.device, dtype=one.dtype) / k)
-            patch_xy = torch.as_tensor(self.patch_xy, device=one.device, dtype=one.dtype)
+            patch_xy = self._device_constants(one.device, one.dtype)[2]
             zero = torch.zeros(B, k, P * P, 1, device=one.device, dtype=one.dtype)
             tokens.append(torch.cat([zero, patch_xy.expand(B, k, -1, -1),
                                      lag.view(1, k, 1, 1).expand(B, k, P * P, 1), means],
@@ -219,14 +219,15 @@ class RolloutTask(Task):
         return out.reshape(len(u_BN), R * R, 4)
 
     def _device_constants(self, device: torch.device, dtype: torch.dtype
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(point_xy [N, 2], stencil std [4])`` on ``device``, copied from host memory once
-        per (device, dtype): a copy in every forward would wait for the device's queued work
-        (pageable host memory)."""
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(point_xy [N, 4], stencil std [4], patch_xy [P^2, 4])`` on ``device``, copied
+        from host memory once per (device, dtype): a copy in every forward (every unrolled
+        step, for patch_xy) would wait for the device's queued work (pageable host memory)."""
         cache = self.__dict__.setdefault("_device_cache", {})
         if (device, dtype) not in cache:
             host = (torch.as_tensor(self.point_xy, dtype=dtype),
-                    torch.as_tensor(self.stats["stencil_std"], dtype=dtype))
+                    torch.as_tensor(self.stats["stencil_std"], dtype=dtype),
+                    torch.as_tensor(self.patch_xy, dtype=dtype))
             cache[(device, dtype)] = tuple(t.to(device) for t in host)
         return cache[(device, dtype)]
 
@@ -240,7 +241,7 @@ class RolloutTask(Task):
         states = (batch["states"] - s["u_mean"]) / s["u_std"]              # normalised
         history, current = states[:, :k], states[:, k]
         valid, time = batch["lag_valid"], batch["time"]
-        point_xy, stencil_std = self._device_constants(states.device, states.dtype)
+        point_xy, stencil_std, _ = self._device_constants(states.device, states.dtype)
         scale = s["delta_std"] / s["u_std"]
         preds = []
         for step in range(states.shape[1] - k - 1):
