@@ -208,9 +208,9 @@ def test_each_stage_runs_once_per_token_and_each_block_in_e_plus_1_passes(mixer,
 
 
 @pytest.mark.parametrize("mixer,per_pass", [
-    ("flare", [[0, 1], [0]]),                          # W_K, W_V; then W_K for the decode
+    ("flare", [[0, 1], [0]]),                          # [W_K | W_V]; then W_K for the decode
     ("flarepp", [[0], [1, 2], [1]]),                   # W~_K; W_K, W_V; W_K for the decode
-    ("flarepp-simple", [[0, 1], [2, 3], [2]]),
+    ("flarepp-simple", [[0, 1], [2, 3], [2]]),         # [W~_K | W~_V]; [W_K | W_V]; W_K
 ])
 def test_each_pass_projects_only_what_its_encode_and_the_decode_read(mixer, per_pass,
                                                                       monkeypatch):
@@ -225,9 +225,9 @@ def test_each_pass_projects_only_what_its_encode_and_the_decode_read(mixer, per_
     seen: list[int] = []
     original = LowRankRouting.project
 
-    def spy(self, x_BNC, index):
-        seen.append(index)
-        return original(self, x_BNC, index)
+    def spy(self, x_BNC, first, count=1):
+        seen.extend(range(first, first + count))
+        return original(self, x_BNC, first, count)
 
     monkeypatch.setattr(LowRankRouting, "project", spy)
     with torch.no_grad():

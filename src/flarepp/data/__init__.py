@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flarepp.data.base import DataError, DatasetSplits, DataWarning, MeshSamples, Normalizer
+from flarepp.data.base import (DataError, DatasetSplits, DataWarning, MeshSamples, Normalizer,
+                               validation_indices)
 from flarepp.data.registry import DATASETS
 from flarepp.data import loaders as _loaders  # noqa: F401  (registers the loaders)
 from flarepp.data import lra as _lra  # noqa: F401  (registers the Long Range Arena readers)
@@ -27,4 +28,4 @@ def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
 
 
 __all__ = ["DATASETS", "DataError", "DataWarning", "DatasetSplits", "MeshSamples",
-           "Normalizer", "load_dataset"]
+           "Normalizer", "load_dataset", "validation_indices"]

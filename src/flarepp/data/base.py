@@ -6,6 +6,8 @@ G coordinate dimensions. Meshes of different N are padded to a common N with a m
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,9 +81,32 @@ class MeshSamples:
                            self.grid_shape)
 
 
+VALIDATION_SEED = 0
+"""The seed of the permutation that picks the validation samples (:func:`validation_indices`):
+fixed, so the split depends on the data alone, never on a run's seed."""
+
+
+def validation_indices(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(kept, held_out)``: sorted indices of ``n`` training samples, ``held_out`` the
+    ``ceil(fraction n)`` first of a permutation seeded by :data:`VALIDATION_SEED`.
+
+    The same ``n`` and ``fraction`` give the same split in every run and on every data
+    draw; a permutation rather than the file's last samples, so a file ordered by some
+    parameter does not hold out one end of it."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"a validation fraction must be in (0, 1), got {fraction}")
+    held = math.ceil(fraction * n)
+    if held >= n:
+        raise DataError(f"val_fraction={fraction} of {n} training samples holds out {held}, "
+                        "leaving none to train on; use a smaller val_fraction")
+    order = np.random.default_rng(VALIDATION_SEED).permutation(n)
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
 @dataclass
 class DatasetSplits:
-    """A benchmark's train and test splits plus what plots need to label fields."""
+    """A benchmark's train and test splits plus what plots need to label fields; ``val``
+    a validation split carved from the training data (:meth:`carve_validation`), or None."""
 
     name: str
     train: MeshSamples
@@ -89,6 +114,17 @@ class DatasetSplits:
     field_names: list[str] = field(default_factory=lambda: ["u"])
     units: str = "dimensionless"
     source: str = ""
+    val: MeshSamples | None = None
+
+    def carve_validation(self, fraction: float) -> "DatasetSplits":
+        """These splits with the training samples :func:`validation_indices` holds out
+        moved from ``train`` to ``val``."""
+        if self.val is not None:
+            raise DataError(f"{self.source or self.name}: a validation split is carved "
+                            "once, and these splits have one")
+        kept, held = validation_indices(len(self.train), fraction)
+        return dataclasses.replace(self, train=self.train.subset(kept),
+                                   val=self.train.subset(held))
 
     @property
     def in_dim(self) -> int:

@@ -36,10 +36,10 @@ hidden state ``h_l`` of all N tokens is kept between blocks, and each block runs
 Cost. No block is ever replayed from the model's input: every token goes once through
 ``embed``, ``head`` and each block's decode, output projection and FFN; the ``E_l`` encode
 passes of a block recompute only the pre-norm and the projections that the encode they
-stop at reads, besides computing the encode itself. A FLARE-family mixer projects each of
-its keys and values separately and asks the backend first whether an encode is already
-held (:meth:`~flarepp.ops.AttentionBackend.held_encode`), so a pass computes no projection
-that only an earlier pass's encode reads. Per token and block, with C=128, M=64 that is
+stop at reads, besides computing the encode itself. A FLARE-family mixer asks the backend
+whether an encode is already held (:meth:`~flarepp.ops.AttentionBackend.held_encode`)
+before projecting that encode's keys and values, so a pass computes no projection that only
+an earlier pass's encode reads. Per token and block, with C=128, M=64 that is
 ``C^2`` recomputed on top of ``9C^2`` for FLARE (pass 1: ``W_K, W_V``; last pass:
 ``W_K``), 1.11x the multiply-adds of the unchunked block, and ``C^2`` on top of ``11C^2``
 for FLARE++ (pass 1: ``W~_K``; pass 2: ``W_K, W_V``; last pass: ``W_K``), 1.09x; against

@@ -1,7 +1,8 @@
 """A study's report: ``results.csv`` and ``report.md`` from every registered plug-in.
 
 The plug-ins live in :mod:`.reports` (runs, Table 11 seeds, Figure 4 depth, Figure 7
-precision), :mod:`.report_cost` (Figure 5) and :mod:`.report_tables` (Tables 1 and 12);
+precision), :mod:`.report_cost` (Figure 5), :mod:`.report_tables` (Tables 1 and 12) and
+:mod:`.report_stats` (a setting chosen on validation, paired differences of mixers);
 importing them here is what registers them all in :data:`~.reports.REPORTS`.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flarepp.experiments import report_cost, report_tables  # noqa: F401  (register)
+from flarepp.experiments import report_cost, report_stats, report_tables  # noqa: F401  (register)
 from flarepp.experiments.reports import REPORTS, Report, collect, csv_text
 from flarepp.io import atomic_write_text
 

@@ -6,8 +6,12 @@ left it pending), the task's own metric (``metric`` = the task's ``headline``; `
 its test value, ``train_value`` its train value where the task evaluates one, both of the
 weights named in ``weights``; ``value_raw`` and ``value_ema`` the test values of the raw
 and the EMA weights where the run stored them; a run written before both were stored
-reported only EMA) and the config facts every table states (mixer, depth, latents,
-precision, seed, SDPA scale).
+reported only EMA; ``val_value``, ``val_value_raw`` and ``val_value_ema`` the same on the
+validation split carved from the training data, where the run has one; ``train_constant``
+the training metric of the best constant predictor where the task states it, and
+``did_not_fit`` whether the run's own training metric is no better, :func:`did_not_fit`)
+and the config facts every table states (mixer, depth, latents, precision, seed, SDPA
+scale).
 
 :func:`aggregate` is the one seed aggregation: mean, sample standard deviation (ddof 1;
 NaN for one run) and count per group of finished runs.
@@ -15,8 +19,9 @@ NaN for one run) and count per group of finished runs.
 :func:`flarepp.experiments.reporting.write_report` writes ``results.csv`` and ``report.md``
 from the plug-ins the study names (:data:`REPORTS`): ``runs`` (every point, failed ones with their error), ``seeds``
 (Table 11), ``depth`` (Figure 4), ``precision`` (Figure 7), ``cost`` (Figure 5), ``table1``
-(Table 1) and ``lra`` (Table 12). A plug-in that does not apply (one depth, no 16-bit
-runs) writes nothing.
+(Table 1), ``lra`` (Table 12), ``selection`` (a setting chosen on validation) and
+``paired`` (paired differences between mixers). A plug-in that does not apply (one depth,
+no 16-bit runs) writes nothing.
 """
 
 from __future__ import annotations
@@ -71,11 +76,26 @@ def collect(out_dir: str | Path) -> tuple[Study, list[dict[str, Any]]]:
             "weights": weights, "value_raw": metrics.get(f"{test}_raw"),
             "value_ema": metrics.get(f"{test}_ema",
                                      metrics.get(test) if weights == "ema" else None),
+            "val_value": metrics.get(f"val_{task.headline}"),
+            "val_value_raw": metrics.get(f"val_{task.headline}_raw"),
+            "val_value_ema": metrics.get(f"val_{task.headline}_ema"),
+            "train_constant": metrics.get(f"train_constant_{task.headline}"),
             **{k: metrics.get(k) for k in ("params", "seconds", "epochs", "device")}}
         if state.status == "done" and not finite(row["value"]):
             row.update(status="failed", error=f"test {task.headline} is {row['value']}")
+        row["did_not_fit"] = did_not_fit(row)
         rows.append(row)
     return study, rows
+
+
+def did_not_fit(row: dict[str, Any]) -> bool | None:
+    """Whether a finished run failed to fit its training data: its training metric
+    (``train_value``) no better than the best constant predictor's (``train_constant``).
+    None where either is unknown (a run still going, a task that states no constant)."""
+    train, constant = row.get("train_value"), row.get("train_constant")
+    if row.get("status") != "done" or not (finite(train) and finite(constant)):
+        return None
+    return bool(train >= constant if row["lower_is_better"] else train <= constant)
 
 
 @dataclass
@@ -300,5 +320,5 @@ def precision_report(rep: Report) -> None:
     rep.lines += ["", f"![Figure 7]({path.name})"]
 
 
-__all__ = ["Group", "REPORTS", "Report", "aggregate", "collect", "precision_ratios",
-           "spread"]
+__all__ = ["Group", "REPORTS", "Report", "aggregate", "collect", "did_not_fit",
+           "precision_ratios", "spread"]

@@ -85,6 +85,10 @@ def grid_names(axes: list[tuple[str, list[str]]]) -> list[tuple[str, tuple[tuple
     return points
 
 
+SWEEP_REPORTS = ("runs", "seeds", "depth", "precision", "selection", "paired")
+"""The report plug-ins of a sweep; each writes nothing where its grid does not apply."""
+
+
 def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
                 sets: list[str] | None = None, data: str | None = None) -> Study:
     """A point per grid point: ``preset`` (or the point's ``preset`` axis value) with
@@ -101,7 +105,7 @@ def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
             base = dataclasses.replace(base, data_root=str(data))
         config = apply_overrides(base, [f"{k}={v}" for k, v in values if k != "preset"])
         points.append(Point(name, config, dict(values)))
-    return Study("sweep", points, ["runs", "seeds", "depth", "precision"],
+    return Study("sweep", points, list(SWEEP_REPORTS),
                  info={"preset": preset, "axes": [[k, v] for k, v in axes]})
 
 
@@ -293,7 +297,7 @@ def legacy_study(out_dir: str | Path) -> Study | None:
         axes = [(k, list(v)) for k, v in stored["axes"]]
         points = [Point(n, apply_overrides(base, [f"{k}={v}" for k, v in values]),
                         dict(values)) for n, values in grid_names(axes)]
-        return Study("sweep", points, ["runs", "seeds", "depth", "precision"],
+        return Study("sweep", points, list(SWEEP_REPORTS),
                      info={"preset": base.name, "axes": [[k, v] for k, v in axes]})
     points = []
     for n, values in stored["points"]:
@@ -307,5 +311,5 @@ def legacy_study(out_dir: str | Path) -> Study | None:
                  timing_epochs=2)
 
 
-__all__ = ["compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
+__all__ = ["SWEEP_REPORTS", "compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
            "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study"]

@@ -83,8 +83,7 @@ class CrossRouting(LowRankRouting):
         joint, joint_mask = joint_tokens(x, mask, conditioning, conditioning_mask)
         if joint_mask is not None:
             joint = joint.masked_fill(~joint_mask[..., None], 0.0)
-        queries, keys = self.route(joint, joint_mask)
-        latents = self.gather(queries, keys, joint, joint_mask)                  # [B,H,M,D]
+        queries, keys, latents = self.route(joint, joint_mask)                  # Z [B,H,M,D]
         y = self.decode_tokens(keys[:, :, :N], queries, latents, mask)           # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 

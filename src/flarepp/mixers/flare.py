@@ -35,57 +35,56 @@ from flarepp.ops import HeadNorm
 class LowRankRouting(Mixer, abc.ABC):
     """What the FLARE family shares: ``Y_h = SDPA(K_h, Q_h, SDPA(Q_h, K_h, V_h))``, ``Y W_O``.
 
-    A subclass owns ``key_value_proj`` (its ``k`` stacked ``C x C`` input projections, the
-    values' ``W_V`` last) and ``out_proj`` (``W_O``), and says in :meth:`route` how the
-    tokens become the routing queries ``Q [B, H, M, D]`` and routing keys ``K [B, H, N, D]``;
-    the values ``V = X W_V``, the encode (``Z = softmax_N(s Q K^T) V``) and decode
-    (``Y = softmax_M(s K Q^T) Z``), the masking and the output projection are the same for
-    every member.
+    A subclass owns ``key_value_proj`` (its ``k`` stacked ``C x C`` input projections) and
+    ``out_proj`` (``W_O``), and says how the tokens become the routing queries
+    ``Q [B, H, M, D]`` (:meth:`route_queries`) and the routing keys and values
+    ``K, V [B, H, N, D]`` (:meth:`keys_and_values`); the encode
+    (``Z = softmax_N(s Q K^T) V``) and decode (``Y = softmax_M(s K Q^T) Z``), the masking and
+    the output projection are the same for every member.
 
-    Each projection is its own GEMM on rows of ``key_value_proj`` (:meth:`project`): its
-    output is a contiguous ``[B, N, H, D]`` that the per-head norms and the kernels read
-    without a copy, the backward adds the input gradients instead of concatenating a
-    ``[B, N, k C]`` gradient, and a projection whose encode the backend already holds
+    Projections are computed on demand from rows of ``key_value_proj`` (:meth:`project`),
+    and an encode that the backend already holds
     (:meth:`~flarepp.ops.AttentionBackend.held_encode`: the later passes of block-wise
-    streaming) is not computed at all.
+    streaming) has its keys and values skipped: such a pass projects only what its own
+    encode and the decode read.
     """
 
     key_value_proj: nn.Linear
     out_proj: nn.Linear
 
     @abc.abstractmethod
-    def route(self, x: torch.Tensor, mask: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Q [B, H, M, D], K [B, H, N, D])`` from the (masked) tokens ``x [B, N, C]``."""
+    def route_queries(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``Q [B, H, M, D]`` for the (masked) tokens ``x [B, N, C]``."""
 
-    def project(self, x_BNC: torch.Tensor, index: int) -> torch.Tensor:
-        """``x W_i^T + b_i`` for the ``index``-th stacked projection, ``[B, N, H, D]``."""
+    @abc.abstractmethod
+    def keys_and_values(self, x: torch.Tensor, *, values: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(K, V)`` ``[B, H, N, D]``; ``V`` is ``None`` unless ``values``."""
+
+    def project(self, x_BNC: torch.Tensor, first: int, count: int = 1) -> torch.Tensor:
+        """Stacked projections ``first .. first + count - 1`` of ``key_value_proj`` in one
+        GEMM, ``[B, N, count * C]``."""
         C, weight, bias = self.config.dim, self.key_value_proj.weight, self.key_value_proj.bias
-        rows = slice(index * C, (index + 1) * C)
-        out = nn.functional.linear(x_BNC, weight[rows], None if bias is None else bias[rows])
-        return out.view(*x_BNC.shape[:-1], self.heads, self.head_dim)
+        rows = slice(first * C, (first + count) * C)
+        return nn.functional.linear(x_BNC, weight[rows], None if bias is None else bias[rows])
 
-    def values(self, x_BNC: torch.Tensor) -> torch.Tensor:
-        """``V = X W_V`` ``[B, H, N, D]`` (the last stacked projection)."""
-        last = self.key_value_proj.out_features // self.config.dim - 1
-        return self.heads_first(self.project(x_BNC, last))
-
-    def gather(self, queries: torch.Tensor, keys: torch.Tensor, x_BNC: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """``Z = softmax_N(s Q K^T) V`` ``[B, H, M, D]``; ``V`` is projected only when the
-        backend does not already hold ``Z``."""
+    def route(self, x: torch.Tensor, mask: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(Q, K, Z)``: routing queries and keys and the encode ``Z [B, H, M, D]``; the
+        values are projected only when the backend does not already hold ``Z``."""
+        queries = self.route_queries(x, mask)
         latents = self.backend.held_encode(queries)
+        keys, values = self.keys_and_values(x, values=latents is None)
         if latents is None:
-            latents = self.backend.encode(queries, keys, self.values(x_BNC), mask,
+            latents = self.backend.encode(queries, keys, values, mask,
                                           scale=self.config.attn_scale)
-        return latents
+        return queries, keys, latents
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tokens(x, mask, self.config.dim)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
-        queries, keys = self.route(x, mask)
-        latents = self.gather(queries, keys, x, mask)                           # Z [B,H,M,D]
+        queries, keys, latents = self.route(x, mask)                            # Z [B,H,M,D]
         y = self.decode_tokens(keys, queries, latents, mask)                    # [B,H,N,D]
         return zero_masked(self.out_proj(self.merge_heads(y)), mask)
 
@@ -111,9 +110,14 @@ class FLARE(LowRankRouting):
         self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
         self.out_proj = near_identity_linear(c.dim)                          # W_O
 
-    def route(self, x, mask):
-        keys = self.heads_first(self.project(x, 0))
-        return self.latents_for(self.fixed_queries, x.shape[0]), keys
+    def route_queries(self, x, mask):
+        return self.latents_for(self.fixed_queries, x.shape[0])
+
+    def keys_and_values(self, x, *, values):
+        if not values:
+            return self.split_projections(self.project(x, 0), 1)[0], None
+        # [W_K | W_V] in one GEMM, split as views: the training path.
+        return self.split_projections(self.project(x, 0, 2), 2)
 
 
 @dataclass(kw_only=True)
@@ -170,17 +174,24 @@ class FLAREPP(LowRankRouting):
         queries = fixed.to(acc).unsqueeze(0) + gate * synthesized.to(acc)
         return queries.to(synthesized.dtype)
 
-    def route(self, x, mask):
+    def route_queries(self, x, mask):
         seeds = self.normed_seeds(x.shape[0])
         synthesized = self.backend.held_encode(seeds)                               # Q_d
         if synthesized is None:
-            # The per-head norms act on D alone, so they run on the GEMM's contiguous
-            # [B, N, H, D] before the heads-first views the kernels take.
-            synthesis_keys = self.heads_first(self.synthesis_key_norm(self.project(x, 0)))
+            synthesis_keys = self.heads_first(self.synthesis_key_norm(self._heads(x, 0)))
             synthesized = self.backend.encode(seeds, synthesis_keys, synthesis_keys, mask,
                                               scale=self.config.attn_scale)
-        keys = self.heads_first(self.routing_key_norm(self.project(x, 1)))
-        return self.gated_queries(synthesized), keys
+        return self.gated_queries(synthesized)
+
+    def keys_and_values(self, x, *, values):
+        keys = self.heads_first(self.routing_key_norm(self._heads(x, 1)))
+        return keys, (self.heads_first(self._heads(x, 2)) if values else None)
+
+    def _heads(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection ``index`` alone, ``[B, N, H, D]`` contiguous: the per-head norms act
+        on D alone, so they read the GEMM's rows without a copy (forward or backward)."""
+        (projected,) = self.split_projections_BNHD(self.project(x, index), 1)
+        return projected
 
 
 @dataclass(kw_only=True)
@@ -214,15 +225,21 @@ class SynthesizedQueryFLARE(LowRankRouting):
             self.seed_norm = nn.Identity()
             self.synthesis_key_norm = nn.Identity()
 
-    def route(self, x, mask):
+    def route_queries(self, x, mask):
         seeds = self.seed_norm(self.latents_for(self.synthesis_seeds, x.shape[0]))
         queries = self.backend.held_encode(seeds)
         if queries is None:
-            synthesis_keys = self.heads_first(self.synthesis_key_norm(self.project(x, 0)))
-            queries = self.backend.encode(seeds, synthesis_keys,
-                                          self.heads_first(self.project(x, 1)), mask,
-                                          scale=self.config.attn_scale)
-        return queries, self.heads_first(self.project(x, 2))
+            synthesis_keys, synthesis_values = self.split_projections_BNHD(
+                self.project(x, 0, 2), 2)
+            queries = self.backend.encode(
+                seeds, self.heads_first(self.synthesis_key_norm(synthesis_keys)),
+                self.heads_first(synthesis_values), mask, scale=self.config.attn_scale)
+        return queries
+
+    def keys_and_values(self, x, *, values):
+        if not values:
+            return self.split_projections(self.project(x, 2), 1)[0], None
+        return self.split_projections(self.project(x, 2, 2), 2)
 
 
 MIXERS.add("flarepp-simple", SynthesizedQueryFLARE, defaults={"normalize_synthesis": True},

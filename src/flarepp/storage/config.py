@@ -30,17 +30,18 @@ from flarepp.validate import require_positive
 RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size",
                   "keep_checkpoints")
 
-CONFIG_VERSION = 3
+CONFIG_VERSION = 4
 """The format of a stored run config. 1: the configs of runs stored before the version was
 written (they lack it; an absent protocol field means :data:`LEGACY_PROTOCOL`); 2: the
 version is written, and ``config.json`` is laid out in :data:`FILE_SECTIONS`; 3: adds
 ``eval_weights`` (a version-1 or -2 config lacks it: those runs reported the EMA weights,
-:data:`ADDED_SINCE`)."""
+:data:`ADDED_SINCE`); 4: adds ``val_fraction`` (an earlier config lacks it: those runs
+trained on their whole training split)."""
 
 VERSION_KEY = "config_version"
 
 FILE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "data": ("dataset", "dataset_options", "data_root"),
+    "data": ("dataset", "dataset_options", "data_root", "val_fraction"),
     "optimisation": ("epochs", "batch_size", "lr", "weight_decay", "betas", "eps", "pct_start",
                      "div_factor", "final_div_factor", "grad_clip", "ema_decay",
                      "latent_schedule"),
@@ -61,7 +62,8 @@ outputs, every input channel standardised, weight decay on every parameter, a fi
 SDPA scale 1/sqrt(D) for every mixer, errors reported from the EMA weights): a stored
 config that lacks a field ran with this."""
 
-ADDED_SINCE: dict[int, dict[str, Any]] = {3: {"eval_weights": "ema"}}
+ADDED_SINCE: dict[int, dict[str, Any]] = {3: {"eval_weights": "ema"},
+                                          4: {"val_fraction": 0.0}}
 """Fields a config version added, with the value the runs stored by an earlier version ran
 with: a stored config of version v lacking such a field of a version above v gets it."""
 
@@ -115,6 +117,12 @@ class RunConfig:
       beside them) or ``ema`` (their moving average; flarepp's earlier headline). Both
       are evaluated and stored either way (:mod:`flarepp.train.loop`).
 
+    ``val_fraction`` > 0 holds that share of the training split out of training as a
+    validation split, ``val`` (the same samples for every run on the same data, whatever
+    its seed; normalisers are fitted on the rest): settings are chosen on it, never on the
+    test split. 0 trains on the whole training split. A task that cannot carve one refuses
+    it (:func:`flarepp.tasks.check_task_config`).
+
     ``task`` names the registered task (:mod:`flarepp.tasks`). The runtime fields (device,
     compile, loader workers, streaming chunk of evaluation) change how a run executes, not
     what it computes, so a run may be resumed with other values: ``device`` is ``auto``
@@ -136,6 +144,7 @@ class RunConfig:
     task: str = "fields"
     dataset_options: dict[str, Any] = field(default_factory=dict)
     data_root: str = "data"
+    val_fraction: float = 0.0
     model: dict[str, Any] = field(default_factory=dict)
     epochs: int = 500
     batch_size: int = 2
@@ -173,6 +182,9 @@ class RunConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
         require_positive(self, ("epochs", "batch_size", "checkpoint_every", "eval_every"))
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1) (the share of the training "
+                             f"split held out for validation), got {self.val_fraction}")
         self.betas = tuple(self.betas)
         if self.momentum_cycle is not None:
             self.momentum_cycle = tuple(self.momentum_cycle)

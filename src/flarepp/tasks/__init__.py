@@ -22,6 +22,9 @@ def check_task_config(config: Any) -> None:
     """Raise a ``ValueError`` unless ``config.task`` is registered and takes ``config`` (its
     own checks of the options it reads: loss, input norms, dataset...)."""
     task_cls = TASKS.get(config.task)
+    if getattr(config, "val_fraction", 0.0) > 0 and not task_cls.carves_validation:
+        raise ValueError(f"val_fraction={config.val_fraction}: task {config.task!r} does not "
+                         "carve a validation split from its training data (task fields does)")
     if hasattr(task_cls, "check_config"):
         task_cls.check_config(config)
 

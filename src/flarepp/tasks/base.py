@@ -42,7 +42,9 @@ class Task(abc.ABC):
     ``token_keys`` names the batch entries with a token axis (dim 1) that context
     parallelism may split across ranks and that streaming may chunk; a task with none
     cannot be token-sharded. ``eval_splits`` are evaluated at the end of a run, the first
-    of them also every ``eval_every`` epochs.
+    of them also every ``eval_every`` epochs. ``carves_validation``: the task takes
+    ``config.val_fraction`` > 0, holding that share of its training data out as a ``val``
+    split (then one of its instance's ``eval_splits``); other tasks refuse it.
     """
 
     name: ClassVar[str] = ""
@@ -50,6 +52,7 @@ class Task(abc.ABC):
     lower_is_better: ClassVar[bool] = True
     token_keys: ClassVar[tuple[str, ...]] = ()
     eval_splits: ClassVar[tuple[str, ...]] = ("test", "train")
+    carves_validation: ClassVar[bool] = False
 
     def __init__(self, config: Any, data_root: str | Path) -> None:
         self.config = config
@@ -111,6 +114,13 @@ class Task(abc.ABC):
 
     def describe_data(self) -> dict[str, Any]:
         """Facts about the data stored in checkpoints (field names, units...)."""
+        return {}
+
+    def baseline_metrics(self) -> dict[str, float]:
+        """The metric of a predictor that learns nothing, on the training samples, keyed as
+        ``metrics.json`` keys it (``train_constant_<headline>``): a report marks a run whose
+        own training metric is no better as one that did not fit its training data. None
+        by default."""
         return {}
 
     def data_identity(self) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 Shape letters: B batch, N points, I input and O output channels.
 
-Data: a registered dataset (:mod:`flarepp.data`) with train and test splits. Outputs are
+Data: a registered dataset (:mod:`flarepp.data`) with train and test splits; with
+``config.val_fraction`` > 0 a validation split ``val`` is carved from the training split
+(:meth:`flarepp.data.DatasetSplits.carve_validation`: the same samples whatever the run's
+seed) and the rest is the training split everything below fits on. Outputs are
 standardised per channel with the training split's mean and std, fitted over real points
 only; inputs per channel by ``config.input_norm`` (:data:`INPUT_NORMS`; ``reference``: the
 FLARE study's rule per dataset, :data:`REFERENCE_INPUT_NORM`). A sample's points are its
@@ -270,12 +273,18 @@ class FieldTask(Task):
     name = "fields"
     headline = "rel_l2"
     token_keys = ("x", "y", "mask")
+    carves_validation = True
 
     def __init__(self, config: Any, data_root: str | Path, *,
                  splits: DatasetSplits | None = None) -> None:
         super().__init__(config, data_root)
-        self.splits = splits or load_dataset(config.dataset, self.data_root,
-                                             **config.dataset_options)
+        # As read: the data's fingerprint covers its whole training split.
+        self.data_splits = splits or load_dataset(config.dataset, self.data_root,
+                                                  **config.dataset_options)
+        self.splits = self.data_splits
+        if config.val_fraction > 0:
+            self.splits = self.data_splits.carve_validation(config.val_fraction)
+            self.eval_splits = (*self.eval_splits, "val")
         train = self.splits.train
         self.variable_n = any(s.mask is not None for s in (train, self.splits.test))
         self.loss_name = resolve_loss(config)
@@ -357,8 +366,10 @@ class FieldTask(Task):
 
     # -- data ----------------------------------------------------------------------------
     def samples(self, split: str) -> MeshSamples:
-        if split not in ("train", "test"):
-            raise ValueError(f"unknown split {split!r}; the fields task has 'train' and 'test'")
+        known = ("train", "test") if self.splits.val is None else ("train", "test", "val")
+        if split not in known:
+            raise ValueError(f"unknown split {split!r}; the fields task has 'train' and "
+                             "'test', and 'val' with val_fraction > 0")
         return getattr(self.splits, split)
 
     def num_samples(self, split: str) -> int:
@@ -450,13 +461,39 @@ class FieldTask(Task):
                               Normalizer.from_state_dict(state["y"]))
 
     def describe_data(self) -> dict[str, Any]:
-        return {"dataset": self.config.dataset, "field_names": self.splits.field_names,
-                "units": self.splits.units, "loss": self.loss_name,
-                "input_norm": self.input_norm}
+        facts = {"dataset": self.config.dataset, "field_names": self.splits.field_names,
+                 "units": self.splits.units, "loss": self.loss_name,
+                 "input_norm": self.input_norm}
+        if self.splits.val is not None:
+            facts["validation"] = {"fraction": self.config.val_fraction,
+                                   "samples": len(self.splits.val)}
+        return facts
+
+    def baseline_metrics(self) -> dict[str, float]:
+        """``train_constant_rel_l2``: the metric on the training samples of the best
+        prediction that ignores the input, one fixed value per point and channel,
+        ``c_n = sum_b w_b y_bn / sum_b w_b`` over the samples whose point n is real, with
+        ``w_b = 1 / ||y_b||^2``: the fixed prediction that minimises the mean squared
+        relative error ``mean_b ||c - y_b||^2 / ||y_b||^2``. A sample with a zero target is
+        left out, as in the metric."""
+        train = self.splits.train
+        real_SN1 = (np.ones(train.y.shape[:2], bool) if train.mask is None
+                    else train.mask)[..., None]
+        y_SNO = train.y.astype(np.float64) * real_SN1
+        ref_S = np.square(y_SNO).sum((1, 2))
+        keep = ref_S > 0
+        if not keep.any():
+            return {}
+        w_S11 = (1.0 / ref_S[keep])[:, None, None]
+        weight_NO = (w_S11 * real_SN1[keep]).sum(0)
+        constant_NO = (w_S11 * y_SNO[keep]).sum(0) / np.where(weight_NO > 0, weight_NO, 1.0)
+        err_S = (np.square(constant_NO - y_SNO) * real_SN1).sum((1, 2))
+        return {f"train_constant_{self.headline}":
+                float(np.sqrt(err_S[keep] / ref_S[keep]).mean())}
 
     def data_identity(self) -> dict[str, Any]:
         from flarepp.data.fingerprint import data_fingerprint
-        return data_fingerprint(self.splits.train, self.data_root)
+        return data_fingerprint(self.data_splits.train, self.data_root)
 
     def check_model(self, model_config: dict[str, Any]) -> None:
         for key, have in (("in_dim", self.splits.in_dim), ("out_dim", self.splits.out_dim)):

@@ -523,6 +523,7 @@ class Trainer:
             if "zero_target_samples" in by_weights[chosen]:
                 metrics[f"{split}_zero_target_samples"] = \
                     by_weights[chosen]["zero_target_samples"]
+        metrics.update(self.task.baseline_metrics())
         metrics.update({
             "eval_weights": chosen,
             "epochs": self.epoch, "params": self.n_params(),

@@ -1,0 +1,275 @@
+"""The plug-ins that say how sure a study is: ``selection`` and ``paired``.
+
+Both read a grid whose labels name a mixer (the config's), a ``seed`` and a data draw (the
+``data_root`` axis: data generated with another seed); every other label is a *setting*
+(``lr``, ``pct_start``, ``input_norm``, ...).
+
+``selection`` chooses one setting for every mixer, on validation alone: per setting and
+mixer the mean validation metric (``val_value``, the split carved from the training data by
+``val_fraction``) over seeds and draws, then per setting the mean of those mixer means (no
+mixer gets its own setting). The best such mean wins, among the settings every run of which
+finished. The test metric is shown beside it and never enters the choice; without a
+validation metric there is no choice, and the report says why.
+
+``paired`` compares mixers on equal terms: per setting, each mixer's mean ± sample std of
+the test metric, then for each mixer B against A (FLARE by default; FLARE++ first) the
+differences ``value(B) - value(A)`` of the runs that share a seed and a draw, their mean,
+sample std, count and the 95% interval ``mean ± t(0.975, n - 1) std / sqrt(n)``. An
+interval that holds 0 is written out as "not significant at 95%".
+
+A run that finished without fitting its training data (:func:`.reports.did_not_fit`) is
+counted and kept in every mean; a run that failed (a non-finite loss) has no value, is
+counted, and leaves its pair out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from flarepp.experiments.engine import finite
+from flarepp.experiments.reports import (REPORTS, Report, aggregate, csv_text, fmt, markdown,
+                                         spread)
+from flarepp.io import atomic_write_text
+
+NOT_SETTINGS = ("mixer", "model.mixer", "seed", "data_root")
+"""Labels that are not settings: the mixer (``mixer`` is the config's), the seed and the
+data draw."""
+
+MIXER_ORDER = ("flare", "flarepp", "flarepp-simple")
+"""Mixers in this order first: ``flare`` is the default reference A, ``flarepp`` the
+first B."""
+
+
+def settings_of(rep: Report) -> list[str]:
+    """The study's setting labels: every label but the mixer, the seed and the draw."""
+    return [k for k in rep.label_keys if k not in NOT_SETTINGS]
+
+
+def mixers_in(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The rows' mixers, :data:`MIXER_ORDER` first, then as first seen."""
+    seen = list(dict.fromkeys(r["mixer"] for r in rows))
+    return [m for m in MIXER_ORDER if m in seen] + [m for m in seen if m not in MIXER_ORDER]
+
+
+def _setting(row: dict[str, Any], settings: Sequence[str]) -> tuple:
+    return tuple(row.get(k) for k in settings)
+
+
+def _stats(rows: Sequence[dict[str, Any]], value: str) -> tuple[float, float, int]:
+    """``(mean, sample std, n)`` of ``value`` over the finished ``rows`` (one group)."""
+    groups = aggregate(rows, [])
+    return groups[0].stats(value) if groups else (math.nan, math.nan, 0)
+
+
+def _count(rows: Sequence[dict[str, Any]], setting: tuple, settings: Sequence[str],
+           mixer: str | None = None) -> dict[str, int]:
+    """Runs of ``setting`` (and ``mixer``): all, finished, failed, not fitted."""
+    mine = [r for r in rows if _setting(r, settings) == setting
+            and (mixer is None or r["mixer"] == mixer)]
+    return {"runs": len(mine), "done": sum(r["status"] == "done" for r in mine),
+            "failed": sum(r["status"] == "failed" for r in mine),
+            "did_not_fit": sum(r.get("did_not_fit") is True for r in mine)}
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+
+
+def choose_setting(rows: Sequence[dict[str, Any]], settings: Sequence[str],
+                   value: str = "val_value") -> dict[str, Any]:
+    """The setting with the best mean over mixers of each mixer's mean ``value`` (over seeds
+    and draws), among the settings whose every run finished with a finite ``value`` for
+    every mixer. ``{"chosen": setting or None, "scores": {setting: mean over mixers or
+    NaN}, "cells": {(setting, mixer): (mean, std, n)}, "why_not": {setting: reason}}``."""
+    mixers = mixers_in(rows)
+    lower = all(r["lower_is_better"] for r in rows)
+    cells = {(tuple(g.key[k] for k in settings), g.key["mixer"]): g.stats(value)
+             for g in aggregate(rows, [*settings, "mixer"])}
+    scores, why_not = {}, {}
+    for setting in dict.fromkeys(_setting(r, settings) for r in rows):
+        count = _count(rows, setting, settings)
+        means = [cells.get((setting, m), (math.nan, math.nan, 0)) for m in mixers]
+        scores[setting] = (float(np.mean([c[0] for c in means]))
+                           if all(c[2] for c in means) else math.nan)
+        have = sum(c[2] for c in means)
+        missing = [m for m, c in zip(mixers, means) if not c[2]]
+        if count["failed"]:
+            why_not[setting] = f"{count['failed']} of its {count['runs']} runs failed"
+        elif have < count["runs"]:
+            why_not[setting] = f"{count['runs'] - have} of its {count['runs']} runs have no value"
+        elif missing:
+            why_not[setting] = f"no run of {', '.join(missing)}"
+    eligible = {s: v for s, v in scores.items() if s not in why_not and math.isfinite(v)}
+    chosen = (min if lower else max)(eligible, key=eligible.get) if eligible else None
+    return {"chosen": chosen, "scores": scores, "cells": cells, "why_not": why_not,
+            "mixers": mixers}
+
+
+def _describe(setting: tuple, settings: Sequence[str]) -> str:
+    return ", ".join(f"`{k}` = {v}" for k, v in zip(settings, setting)) or "the one setting"
+
+
+@REPORTS.register("selection", doc="a setting chosen on the validation split: the mean over "
+                                   "mixers of each mixer's mean over seeds and draws")
+def selection_report(rep: Report) -> None:
+    settings = settings_of(rep)
+    rows = rep.rows
+    if not settings or len({_setting(r, settings) for r in rows}) < 2:
+        return
+    metric = rep.metric_name()
+    rep.lines += ["", "## A setting chosen on validation", ""]
+    if not any(finite(r.get("val_value")) for r in rows):
+        rep.lines += [f"No choice: no run has a validation metric (`val_{metric}`), and the "
+                      "test metric is never used to choose. Sweep with `--set val_fraction=F` "
+                      "to hold a share F of the training data out for validation."]
+        return
+    result = choose_setting(rows, settings)
+    mixers, chosen = result["mixers"], result["chosen"]
+    body, table = [], [[*settings, "mixer", "val_mean", "val_std", "runs_with_val",
+                        "test_mean", "test_std", "did_not_fit", "failed", "chosen"]]
+    for setting in result["scores"]:
+        for mixer in mixers:
+            val = result["cells"].get((setting, mixer), (math.nan, math.nan, 0))
+            test = _stats([r for r in rows if r["mixer"] == mixer
+                           and _setting(r, settings) == setting], "value")
+            count = _count(rows, setting, settings, mixer)
+            mark = "**chosen**" if setting == chosen else ""
+            body.append([*setting, mixer, f"{spread(*val[:2])} ({val[2]})",
+                         spread(*test[:2]), count["did_not_fit"], count["failed"], mark])
+            table.append([*setting, mixer, val[0], val[1], val[2], test[0], test[1],
+                          count["did_not_fit"], count["failed"], int(setting == chosen)])
+    rep.lines += [f"Validation `val_{metric}` (the share `val_fraction` of the training data "
+                  "held out; the same samples in every run on a draw) of the weights each run "
+                  "names: mean ± sample std over seeds and data draws (runs). The test "
+                  f"`{metric}` is shown and never used to choose. Runs that did not fit their "
+                  "training data (training metric no better than the best constant "
+                  "predictor's) are counted and kept in the means; failed runs have no "
+                  "value.", ""]
+    rep.lines += markdown([*settings, "mixer", "val (runs)", "test", "did not fit",
+                           "failed", ""], body)
+    rep.lines += ["", f"Mean over the {len(mixers)} mixers ({', '.join(mixers)}) of each "
+                      "mixer's mean validation metric:", ""]
+    rep.lines += markdown([*settings, "mean over mixers", "eligible"], [
+        [*s, fmt(v), "chosen" if s == chosen else result["why_not"].get(s, "yes")]
+        for s, v in result["scores"].items()])
+    if chosen is None:
+        rep.lines += ["", "No choice: no setting has every run finished with a validation "
+                          "metric for every mixer."]
+    else:
+        rep.lines += ["", f"Chosen: {_describe(chosen, settings)} (mean validation "
+                          f"{fmt(result['scores'][chosen])} over the mixers)."]
+    rep.paths["selection"] = rep.out_dir / "selection.csv"
+    atomic_write_text(rep.paths["selection"], csv_text(table))
+
+
+# ---------------------------------------------------------------------------------------------
+# paired differences
+
+
+def paired_differences(rows: Sequence[dict[str, Any]], a: str, b: str,
+                       value: str = "value") -> np.ndarray:
+    """``value(b) - value(a)`` of the finished runs of mixers ``b`` and ``a`` that share a
+    seed and a data draw, in the order of ``b``'s runs."""
+    def by_pair(mixer: str) -> dict[tuple, float]:
+        return {(r.get("seed"), r.get("data_root")): r[value] for r in rows
+                if r["mixer"] == mixer and r["status"] == "done" and finite(r.get(value))}
+    first, second = by_pair(a), by_pair(b)
+    return np.asarray([v - first[k] for k, v in second.items() if k in first], float)
+
+
+def interval(diffs: np.ndarray, level: float = 0.95) -> dict[str, float]:
+    """Mean, sample std, count and the two-sided t interval of the mean at ``level``:
+    ``mean ± t((1 + level) / 2, n - 1) std / sqrt(n)`` (NaN ends for fewer than 2)."""
+    from scipy import stats
+    n = len(diffs)
+    mean = float(diffs.mean()) if n else math.nan
+    std = float(diffs.std(ddof=1)) if n > 1 else math.nan
+    half = (float(stats.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n) if n > 1
+            else math.nan)
+    return {"mean": mean, "std": std, "n": n, "low": mean - half, "high": mean + half}
+
+
+def verdict(stats: dict[str, float], a: str, b: str, lower_is_better: bool = True) -> str:
+    """A plain sentence on whether ``b - a`` differs from 0 at 95%."""
+    if stats["n"] < 2:
+        return "too few pairs for an interval"
+    if stats["low"] <= 0.0 <= stats["high"]:
+        return "not significant at 95%"
+    better = (stats["mean"] < 0) == lower_is_better
+    return f"{b} {'better' if better else 'worse'} than {a} at 95%"
+
+
+@REPORTS.register("paired", doc="per mixer mean ± std; paired differences of mixers over "
+                                "(seed, data draw) with a 95% t interval")
+def paired_report(rep: Report) -> None:
+    settings = settings_of(rep)
+    rows = rep.rows
+    groups = {}
+    for r in rows:
+        groups.setdefault(_setting(r, settings), []).append(r)
+    comparisons = []
+    for setting, mine in groups.items():
+        mixers = mixers_in(mine)
+        if len(mixers) < 2:
+            continue
+        a = mixers[0] if "flare" not in mixers else "flare"
+        comparisons += [(setting, a, b) for b in mixers if b != a]
+    if not comparisons:
+        return
+    metric = rep.metric_name()
+    lower = all(r["lower_is_better"] for r in rows)
+    draws = len({r.get("data_root") for r in rows})
+    seeds = len({r.get("seed") for r in rows})
+    rep.lines += ["", "## Mixers compared, paired by seed and data draw", "",
+                  f"Test `{metric}` of the weights each run names, over {seeds} seed(s) x "
+                  f"{draws} data draw(s): mean ± sample std of the finished runs. Runs that "
+                  "did not fit their training data (training metric no better than the best "
+                  "constant predictor's) are counted and kept in the means; failed runs "
+                  "(non-finite loss) are counted and have no value.", ""]
+    body = []
+    for setting, mine in groups.items():
+        for mixer in mixers_in(mine):
+            runs = [r for r in mine if r["mixer"] == mixer]
+            test, train = _stats(runs, "value"), _stats(runs, "train_value")
+            count = _count(mine, setting, settings, mixer)
+            body.append([*setting, mixer, f"{count['done']}/{count['runs']}",
+                         spread(*test[:2]), spread(*train[:2]), count["did_not_fit"],
+                         count["failed"]])
+    rep.lines += markdown([*settings, "mixer", "finished", "test", "train", "did not fit",
+                           "failed"], body)
+    for what, names in (("did not fit their training data", [
+            r["point"] for r in rows if r.get("did_not_fit") is True]),
+                        ("failed", [r["point"] for r in rows if r["status"] == "failed"])):
+        if names:
+            rep.lines += ["", f"{len(names)} of {len(rows)} runs {what}: {', '.join(names)}."]
+    rep.lines += ["", f"Paired differences `{metric}`(B) - `{metric}`(A) over the (seed, "
+                      "draw) pairs where both finished; 95% interval "
+                      "mean ± t(0.975, n - 1) std / sqrt(n).", ""]
+    body, table, sentences = [], [[*settings, "A", "B", "pairs", "mean", "std", "low",
+                                    "high", "verdict"]], []
+    for setting, a, b in comparisons:
+        stats = interval(paired_differences(groups[setting], a, b))
+        said = verdict(stats, a, b, lower)
+        body.append([*setting, f"{b} - {a}", stats["n"], fmt(stats["mean"]),
+                     fmt(stats["std"]), f"[{fmt(stats['low'])}, {fmt(stats['high'])}]",
+                     said])
+        table.append([*setting, a, b, stats["n"], stats["mean"], stats["std"], stats["low"],
+                      stats["high"], said])
+        where = f" ({_describe(setting, settings)})" if settings else ""
+        if said == "not significant at 95%":
+            sentences.append(f"- {b} - {a}{where}: the difference is not significant at 95% "
+                             f"(interval [{fmt(stats['low'])}, {fmt(stats['high'])}] holds 0, "
+                             f"{stats['n']} pairs).")
+    rep.lines += markdown([*settings, "B - A", "pairs", "mean", "std", "95% interval",
+                           "verdict"], body)
+    if sentences:
+        rep.lines += [""] + sentences
+    rep.paths["paired"] = rep.out_dir / "paired.csv"
+    atomic_write_text(rep.paths["paired"], csv_text(table))
+
+
+__all__ = ["NOT_SETTINGS", "choose_setting", "interval", "paired_differences",
+           "paired_report", "selection_report", "settings_of", "verdict"]
