@@ -36,6 +36,7 @@ import ctypes
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -51,8 +52,17 @@ _aten = torch.ops.aten
 _LIB: ctypes.CDLL | None = None
 
 
+def _ninja_on_path() -> None:
+    """Put this interpreter's ``bin`` (where the ``ninja`` wheel of the ``test`` extra
+    installs its binary) on ``PATH``, behind any system ``ninja``."""
+    scripts = os.path.dirname(sys.executable)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + scripts
+
+
 def unavailable_reason() -> str | None:
     """Why fake CUDA cannot be built here, or ``None`` when it can."""
+    _ninja_on_path()
     if torch.cuda.is_available() or torch.backends.cuda.is_built():
         return "this torch is built with CUDA: the fake-CUDA tier is for CPU-only builds"
     from torch.utils import cpp_extension
@@ -76,6 +86,7 @@ def load() -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         from torch.utils import cpp_extension
+        _ninja_on_path()
         path = cpp_extension.load("flarepp_fake_cuda", [str(SOURCE)],
                                   build_directory=str(build_directory()),
                                   is_python_module=False, verbose=False)
