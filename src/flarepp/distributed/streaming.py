@@ -45,9 +45,9 @@ an earlier pass's encode reads. Per token and block, with C=128, M=64 that is
 for FLARE++ (pass 1: ``W~_K``; pass 2: ``W_K, W_V``; last pass: ``W_K``), 1.09x; against
 ``E/2 + 1`` whole forwards for ``E`` encodes when each pass replays the model from its
 input. Chunks of 16K tokens also keep a pass's working set in cache, which an unchunked
-forward over a large mesh does not. With a process group each pass's merged partial is further merged
-across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every rank streams its
-own token shard, exactly over the whole mesh.
+forward over a large mesh does not. With a process group each pass's merged partial is
+further merged across the ranks (:func:`~flarepp.distributed.merge_across_ranks`): every
+rank streams its own token shard, exactly over the whole mesh.
 
 Memory. The hidden state ``h [B, N, C]`` in the residual stream's dtype (float32, or the
 autocast dtype), stored where ``hidden_on`` says: on the compute device, in host memory, or
