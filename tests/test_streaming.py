@@ -240,6 +240,20 @@ def test_each_pass_projects_only_what_its_encode_and_the_decode_read(mixer, per_
     assert sorted(seen) == sorted(one_block * len(model.blocks))
 
 
+@pytest.mark.parametrize("mixer", SHARDABLE)
+def test_inference_path_equals_the_training_path(mixer):
+    """Without autograd a FLARE-family mixer projects on demand (what streaming relies on);
+    with autograd FLARE++ keeps its one fused projection GEMM. Both are the same function
+    (float64, with padding). A failure points at the two paths of ``route`` drifting apart,
+    which the streaming-vs-unchunked tests cannot see (both sides run without autograd)."""
+    model = tiny_model(mixer)
+    x, mask = batch(True)
+    with torch.no_grad():
+        inference = model(x, mask)
+    training = model(x, mask).detach()
+    assert (inference - training).abs().max() <= 1e-12 * max(1.0, training.abs().max().item())
+
+
 @pytest.mark.parametrize("hidden_on", ["device", "host", "memmap"])
 def test_hidden_state_placements_agree(hidden_on, tmp_path):
     """The hidden state in device memory, host memory or a memory-mapped file gives the
