@@ -186,6 +186,23 @@ def test_selection_takes_the_mean_over_mixers_on_validation_never_test(tmp_path)
     assert float(flare["test_mean"]) == pytest.approx(0.90)
 
 
+def test_a_study_still_running_chooses_nothing_yet(tmp_path):
+    """With runs of a setting still pending, no setting is chosen (the untrained one could
+    win); the best complete setting so far is named as such. A failure means a partial
+    preset study would announce a choice."""
+    rows = grid_rows({("1e-3", "flare"): [0.10] * 4, ("1e-3", "flarepp"): [0.10] * 4,
+                      ("3e-3", "flare"): [0.20] * 4})
+    rows += [row("flarepp", s, "A", None, None, lr="3e-3", status="pending") for s in (0, 1)]
+    result = choose_setting(rows, ["lr"])
+    assert result["chosen"] is None and result["best_so_far"] == ("1e-3",)
+    assert result["pending"] == 2
+    rep = report(rows, tmp_path)
+    selection_report(rep)
+    text = "\n".join(rep.lines)
+    assert "No choice yet: 2 run(s) of the study are still pending" in text
+    assert "best complete setting so far: `lr` = 1e-3" in text and "Chosen:" not in text
+
+
 def test_selection_refuses_without_a_validation_metric(tmp_path):
     rows = [dict(r, val_value=None) for r in grid_rows({("1e-3", "flare"): [0.1] * 4,
                                                         ("3e-3", "flare"): [0.2] * 4})]

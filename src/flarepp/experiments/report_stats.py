@@ -103,9 +103,11 @@ def choose_setting(rows: Sequence[dict[str, Any]], settings: Sequence[str],
         elif missing:
             why_not[setting] = f"no run of {', '.join(missing)}"
     eligible = {s: v for s, v in scores.items() if s not in why_not and math.isfinite(v)}
-    chosen = (min if lower else max)(eligible, key=eligible.get) if eligible else None
-    return {"chosen": chosen, "scores": scores, "cells": cells, "why_not": why_not,
-            "mixers": mixers}
+    best = (min if lower else max)(eligible, key=eligible.get) if eligible else None
+    # A study still running chooses nothing: a setting not yet trained could win.
+    pending = sum(1 for r in rows if r.get("status") == "pending")
+    return {"chosen": None if pending else best, "best_so_far": best, "pending": pending,
+            "scores": scores, "cells": cells, "why_not": why_not, "mixers": mixers}
 
 
 def _describe(setting: tuple, settings: Sequence[str]) -> str:
@@ -155,7 +157,13 @@ def selection_report(rep: Report) -> None:
     rep.lines += markdown([*settings, "mean over mixers", "eligible"], [
         [*s, fmt(v), "chosen" if s == chosen else result["why_not"].get(s, "yes")]
         for s, v in result["scores"].items()])
-    if chosen is None:
+    if chosen is None and result["pending"]:
+        so_far = result["best_so_far"]
+        rep.lines += ["", f"No choice yet: {result['pending']} run(s) of the study are still "
+                          "pending, and a setting not yet trained could win"
+                      + (f" (the best complete setting so far: {_describe(so_far, settings)})."
+                         if so_far is not None else ".")]
+    elif chosen is None:
         rep.lines += ["", "No choice: no setting has every run finished with a validation "
                           "metric for every mixer."]
     else:
