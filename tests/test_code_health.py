@@ -70,7 +70,7 @@ def test_stored_model_configs_still_rebuild(stored):
 REQUIRED = {"causal-lm": {"vocab_size": 11},
             "sequence-classifier": {"vocab_size": 11, "num_classes": 3, "max_length": 16},
             "conditioned": {"in_dim": 3, "out_dim": 2, "cond_dim": 2, "cond_tokens": 1}}
-SHARED = ("dim", "heads", "blocks", "latents", "in_dim", "out_dim")
+SHARED = ("dim", "heads", "blocks", "latents", "in_dim", "out_dim", "ffn_ratio", "mlp_ratio")
 
 
 def _settings(arch: str, **changes) -> dict:
@@ -82,9 +82,9 @@ def _settings(arch: str, **changes) -> dict:
 @pytest.mark.parametrize("arch", MODELS.names())
 def test_every_architecture_checks_its_shared_settings_by_name(arch):
     """Every registered architecture refuses a width that does not split into its heads,
-    and a zero head, block, latent or channel count, with a ValueError naming itself and
-    the setting, before any layer is built; its config writes a dict (what a checkpoint
-    stores) that rebuilds it. A failure means an architecture lost a check (the mistake
+    and a zero head, block, latent or channel count or FFN ratio, with a ValueError naming
+    itself and the setting, before any layer is built; its config writes a dict (what a
+    checkpoint stores) that rebuilds it. A failure means an architecture lost a check (the mistake
     then surfaces as a reshape error inside a forward, or builds an empty layer) or its
     messages name another architecture."""
     fields = {f.name for f in dataclasses.fields(MODELS.get(arch).config_cls)}

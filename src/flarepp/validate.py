@@ -8,5 +8,5 @@ def require_positive(config: object, names: tuple[str, ...], owner: str = "") ->
     prefix = f"{owner}: " if owner else ""
     for name in names:
         value = getattr(config, name)
-        if int(value) <= 0:
+        if not value > 0:
             raise ValueError(f"{prefix}{name} must be positive, got {value}")

@@ -116,18 +116,13 @@ class SequenceStackConfig(StackConfig):
     ``attn_scale`` and ``mixer_options``) and a GELU FFN of ratio ``ffn_ratio``, over token
     sequences: the decoder LM and the LRA classifier."""
 
-    positive = (*StackConfig.positive, "latents")
+    positive = (*StackConfig.positive, "latents", "ffn_ratio")
 
     mixer: str = "flarepp"
     latents: int = 64
     ffn_ratio: float = 2.0
     attn_scale: float | None = None
     mixer_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.ffn_ratio <= 0:
-            raise ValueError(f"{self.arch}: ffn_ratio must be positive, got {self.ffn_ratio}")
 
 
 @dataclass(kw_only=True)
@@ -145,6 +140,8 @@ class LatentModelConfig(ModelConfig):
 class BackboneConfig(LatentModelConfig):
     """The residual backbone's block and input/output MLP settings (Table 7): FFN ratio
     ``ffn_ratio`` and ``io_layers`` hidden residual layers per input/output MLP."""
+
+    positive = LatentModelConfig.positive + ("ffn_ratio",)
 
     ffn_ratio: float = 2.0
     io_layers: int = 2

@@ -43,7 +43,7 @@ class GNOTConfig(ModelConfig):
     ``norm`` the type of the five norms per block (LayerNorm in FP32, C.2)."""
 
     arch = "gnot"
-    positive = ModelConfig.positive + ("experts",)
+    positive = ModelConfig.positive + ("experts", "mlp_ratio")
 
     experts: int = 3
     mlp_ratio: float = 2.0

@@ -41,6 +41,7 @@ class LNOConfig(LatentModelConfig):
     ``projector_layers``: hidden residual layers of each MLP (LNO's ``n_layer``)."""
 
     arch = "lno"
+    positive = LatentModelConfig.positive + ("mlp_ratio",)
 
     blocks: int = 4
     latents: int = 256

@@ -38,6 +38,7 @@ class PerceiverIOConfig(LatentModelConfig):
     """Table 9 defaults; ``blocks`` latent self-attention blocks, ``latents`` M."""
 
     arch = "perceiver-io"
+    positive = LatentModelConfig.positive + ("mlp_ratio",)
 
     latents: int = 512
     mlp_ratio: float = 4.0
