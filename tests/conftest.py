@@ -89,3 +89,13 @@ def _cost_is_marked(request):
         more = f" (and {len(done) - 1} more)" if len(done) > 1 else ""
         pytest.fail(f"{request.node.nodeid} {done[0]}{more}, so it belongs to the slow "
                     "tier: mark it @pytest.mark.slow", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def darcy_dir(tmp_path_factory):
+    """Tiny generated Darcy data (12 train / 4 test at 15 x 15, seed 3), made once per test
+    module: the trainer tests' data."""
+    from flarepp.data.generators.darcy import make_darcy
+    root = tmp_path_factory.mktemp("darcy")
+    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
+    return root

@@ -135,23 +135,26 @@ def test_trainer_makes_its_device_current(monkeypatch, tmp_path):
 
 # ----------------------------------------------------------------------------- host syncs
 
+def _one_step_per_sample_trainer(data, tmp_path):
+    """A tiny darcy-tiny trainer taking one step per training sample (12 per epoch)."""
+    from flarepp.train import Trainer, get_preset
+    config = get_preset("darcy-tiny", ["epochs=1", "device=cpu", "batch_size=1",
+                                       "dataset_options={'resolution': 8, 'n_train': 12, "
+                                       "'n_test': 4}", "model.dim=8", "model.heads=2",
+                                       "model.blocks=1", "model.latents=2"])
+    return Trainer(config, tmp_path / "run", data_root=data, progress=False)
+
+
 @pytest.mark.slow
-def test_training_steps_queue_without_host_syncs(monkeypatch, tmp_path):
+def test_training_steps_queue_without_host_syncs(monkeypatch, tmp_path, darcy_dir):
     """An epoch of 12 steps reads device values on the host only every HOST_SYNC_EVERY
     steps (set to 4 here: 3 reads) and never per step: on a GPU each `.item()`, `float()`
     or `bool()` of a device tensor waits for every queued kernel, so a read per step
     serialises the host with the device. Reads per step here mean a per-step `.item()`
     came back into the loop (loss bookkeeping, the stop flag). Counted: reads made by
     flarepp's code (torch's own, e.g. AdamW's step counter on the host, are not syncs)."""
-    from flarepp.data.generators.darcy import make_darcy
-    from flarepp.train import Trainer, get_preset
     from flarepp.train import loop
-    make_darcy(tmp_path / "d", n_train=12, n_test=2, resolution=15, seed=3, progress=False)
-    config = get_preset("darcy-tiny", ["epochs=1", "device=cpu", "batch_size=1",
-                                       "dataset_options={'resolution': 8, 'n_train': 12, "
-                                       "'n_test': 2}", "model.dim=8", "model.heads=2",
-                                       "model.blocks=1", "model.latents=2"])
-    trainer = Trainer(config, tmp_path / "run", data_root=tmp_path / "d", progress=False)
+    trainer = _one_step_per_sample_trainer(darcy_dir, tmp_path)
     monkeypatch.setattr(loop, "HOST_SYNC_EVERY", 4)
     reads = []
     for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
@@ -174,18 +177,11 @@ def test_training_steps_queue_without_host_syncs(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_non_finite_loss_still_stops_training(monkeypatch, tmp_path):
+def test_non_finite_loss_still_stops_training(monkeypatch, tmp_path, darcy_dir):
     """The loss check moved from every step to the host reads: a NaN loss still raises
     FloatingPointError naming its step."""
-    from flarepp.data.generators.darcy import make_darcy
-    from flarepp.train import Trainer, get_preset
     from flarepp.train import loop
-    make_darcy(tmp_path / "d", n_train=6, n_test=2, resolution=15, seed=3, progress=False)
-    config = get_preset("darcy-tiny", ["epochs=1", "device=cpu", "batch_size=1",
-                                       "dataset_options={'resolution': 8, 'n_train': 6, "
-                                       "'n_test': 2}", "model.dim=8", "model.heads=2",
-                                       "model.blocks=1", "model.latents=2"])
-    trainer = Trainer(config, tmp_path / "run", data_root=tmp_path / "d", progress=False)
+    trainer = _one_step_per_sample_trainer(darcy_dir, tmp_path)
     monkeypatch.setattr(loop, "HOST_SYNC_EVERY", 4)
     step, calls = trainer.train_step, []
 

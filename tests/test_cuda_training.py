@@ -18,14 +18,6 @@ TINY = ["epochs=2", "checkpoint_every=1", "batch_size=4",
         "model.dim=16", "model.heads=2", "model.blocks=2", "model.latents=4"]
 
 
-@pytest.fixture(scope="module")
-def darcy_dir(tmp_path_factory):
-    from flarepp.data.generators.darcy import make_darcy
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
-    return root
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_trainer_on_cuda(darcy_dir, tmp_path, precision):
     """Everything lives on the GPU and the run ends with finite metrics."""

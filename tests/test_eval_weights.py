@@ -28,14 +28,6 @@ TINY = ["epochs=3", "checkpoint_every=1", "batch_size=4",
 OLD_RUN = Path(__file__).resolve().parent / "fixtures" / "main_958c132"
 
 
-@pytest.fixture(scope="module")
-def darcy_dir(tmp_path_factory):
-    from flarepp.data.generators.darcy import make_darcy
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
-    return root
-
-
 @pytest.mark.slow
 def test_a_short_run_reports_both_weights_and_names_the_headline(darcy_dir, tmp_path):
     """After 3 epochs the raw and the EMA errors differ (decay 0.99 still weighs the initial

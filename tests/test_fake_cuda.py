@@ -23,8 +23,9 @@ checked against float64 by tests/test_cuda.py on a GPU, and by the CPU emulation
 tests/test_kernels_cpu_emulation.py), which fused kernel F.scaled_dot_product_attention picks
 on a GPU (it runs its math decomposition here), NCCL, CUDA streams and memory, Inductor on
 CUDA. Mixers whose control flow depends on tensor values (``abupt``'s anchor selection and
-the causal scans' chunking read data) cannot run on fake tensors and are listed in
-VALUE_DEPENDENT with the reason, and so are the language-model task's training steps.
+the causal scans' chunking read data) cannot run on fake tensors: VALUE_DEPENDENT lists them
+with the reason, and a test checks that each fails for exactly that reason. The
+language-model task's step runs with causal attention.
 
 Skipped, with the reason, where no C++ compiler (or ninja) is available to build the
 extension, and on CUDA builds of torch. Shape letters: B batch, H heads, M latents, N tokens,
@@ -174,13 +175,17 @@ def test_cuda_float64_takes_the_explicit_path():
 # ----------------------------------------------------------------------------- mixers
 
 VALUE_DEPENDENT = {
-    "abupt": "its anchor selection reads the number of real tokens (int(n_real.max()))",
-    "flare-causal": "the chunked causal scan branches on whether a chunk overflows "
-                    "(c.unsafe.any() in ops/causal.py)",
-    "flarepp-causal": "the chunked causal scan branches on whether a chunk overflows "
-                      "(c.unsafe.any() in ops/causal.py)",
+    "abupt": ("its anchor selection reads the number of real tokens (int(n_real.max()))",
+              "flarepp/mixers/abupt.py"),
+    "flare-causal": ("the chunked causal scan branches on whether a chunk overflows "
+                     "(c.unsafe.any())", "flarepp/ops/causal.py"),
+    "flarepp-causal": ("the chunked causal scan branches on whether a chunk overflows "
+                       "(c.unsafe.any())", "flarepp/ops/causal.py"),
 }
-"""Mixers that cannot run on fake tensors: their control flow reads tensor values."""
+"""Mixers that cannot run on fake tensors: their control flow reads tensor values (the
+reason, and the file where the value is read). Not skipped: checked below to fail for
+exactly that reason, so a mixer that stops reading values fails that check and must join
+the tier."""
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -197,15 +202,13 @@ def _surrogate(name, precision):
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("name", MIXERS.names())
+@pytest.mark.parametrize("name", [n for n in MIXERS.names() if n not in VALUE_DEPENDENT])
 def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
     """The surrogate around each registered mixer, its weights moved to CUDA, forward and
     backward under CUDA autocast (fp32: none) with a padding mask: output on CUDA, every
     parameter gets a CUDA float32 gradient, and every efficient-attention call keeps the
     kernel's rules. A failure here is a
     CUDA-only shape, dtype, device or autocast defect in that mixer."""
-    if name in VALUE_DEPENDENT:
-        pytest.skip(VALUE_DEPENDENT[name])
     dtype = PRECISIONS[precision]
     model, masks = _surrogate(name, precision)
     with fake_cuda.fake_cuda(), EfficientAttentionRules():
@@ -222,6 +225,29 @@ def test_every_mixer_in_the_surrogate_on_cuda(name, precision):
                 assert p.grad.device.type == "cuda" and p.grad.dtype == torch.float32, pname
 
 
+@pytest.mark.parametrize("name", sorted(VALUE_DEPENDENT))
+def test_value_dependent_mixers_read_a_value_where_stated(name):
+    """Each mixer left out of the tier above fails on fake CUDA by reading a tensor value
+    (``DataDependentOutputException``) in the file VALUE_DEPENDENT names, and nowhere
+    earlier. A failure here means the stated reason is stale: if the mixer ran, delete it
+    from VALUE_DEPENDENT so the tier covers it; if it failed elsewhere, that is a CUDA-path
+    defect of its own."""
+    import traceback
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    reason, where = VALUE_DEPENDENT[name]
+    model, masks = _surrogate(name, "fp32")
+    with pytest.raises(DataDependentOutputException) as err:
+        with fake_cuda.fake_cuda(), EfficientAttentionRules():
+            fake_cuda.to_fake_cuda(model)
+            x = torch.randn(2, 24, 3, device="cuda")
+            mask = torch.ones(2, 24, dtype=torch.bool, device="cuda") if masks else None
+            model(x, mask=mask)
+    frames = [f.filename for f in traceback.extract_tb(err.value.__traceback__)]
+    flarepp_frames = [f for f in frames if "/flarepp/" in f.replace("\\", "/")]
+    assert flarepp_frames and flarepp_frames[-1].endswith(where), (reason, flarepp_frames)
+
+
 # ----------------------------------------------------------------------------- distributed
 
 @pytest.fixture(scope="module")
@@ -229,8 +255,10 @@ def gloo_group(tmp_path_factory):
     """A 1-rank gloo group in this process: collectives on fake CUDA tensors run their
     shape functions only (no NCCL here; tests/test_cuda.py runs a 1-rank NCCL group)."""
     import torch.distributed as dist
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this worker")
+    if dist.is_initialized():   # another test left its group: a leak, never a reason to skip
+        pytest.fail(f"a process group ({dist.get_backend()}, {dist.get_world_size()} "
+                    "rank(s)) is still initialised in this worker: the test that made it "
+                    "must destroy it")
     store = tmp_path_factory.mktemp("gloo") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield dist.group.WORLD
@@ -292,7 +320,8 @@ def test_streaming_on_cuda(monkeypatch, hidden_on, inputs_on):
 # ----------------------------------------------------------------------------- the trainer
 
 def _task_configs(root):
-    """A tiny run of the fields, rollout and sequence tasks, with their data."""
+    """A tiny run of the fields, rollout, sequence and language-model tasks, with their
+    data (the language model with causal attention: the causal FLARE scans read values)."""
     from flarepp.data.generators.advection_diffusion import make_advection_diffusion
     from flarepp.data.generators.darcy import make_darcy
     from flarepp.data.lra import make_listops
@@ -307,6 +336,11 @@ def _task_configs(root):
                  max_length=40, progress=False)
     rollout_options = {"n_train": 3, "n_test": 2, "history": 2, "patches": 2, "unroll": 2,
                        "horizon": 5}
+    text = root / "text"
+    text.mkdir()
+    for i in range(8):   # files held out by the hash of their name: both splits non-empty
+        (text / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 4)
+    text_options = {"context": 16, "n_train": 8, "n_test": 4, "test_fraction": 0.5}
     return {
         "fields": get_preset("darcy-tiny", small + [
             "batch_size=2", "dataset_options={'resolution': 8, 'n_train': 4, 'n_test': 2}",
@@ -317,6 +351,8 @@ def _task_configs(root):
         "sequence": apply_overrides(lra_run_config(
             "listops", "tiny", "flarepp", steps=9, data_root=str(root / "listops"),
             split_limits={"train": 16, "val": 4, "test": 4}), small + ["batch_size=4"]),
+        "lm": get_preset("lm-tiny-attention", small + [
+            "batch_size=4", f"dataset_options={text_options!r}", f"data_root={str(text)!r}"]),
     }
 
 
@@ -353,10 +389,10 @@ def task_configs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("task", ["fields", "rollout", "sequence", "surface"])
+@pytest.mark.parametrize("task", ["fields", "rollout", "sequence", "lm", "surface"])
 def test_trainer_step_on_cuda(task_configs, tmp_path, monkeypatch, task, precision):
     """One Trainer.train_step of each task kind (PDE fields, rollout, LRA sequence
-    classification, car surfaces) on CUDA in fp32/bf16/fp16: the batch moved
+    classification, byte language model, car surfaces) on CUDA in fp32/bf16/fp16: the batch moved
     to the device, the task's forward under CUDA autocast, its loss and count, backward
     through GradScaler (fp16), gradient clipping, AdamW and the scheduler; the step's loss
     comes back as a CUDA tensor, and the EMA is updated on the device. No step reads a
@@ -367,8 +403,8 @@ def test_trainer_step_on_cuda(task_configs, tmp_path, monkeypatch, task, precisi
 
     One host read of torch's own is replaced, as a fake tensor cannot be read: the
     GradScaler's decision to skip a step with non-finite gradients (fp16) steps
-    unconditionally. The language-model task trains causal mixers (value-dependent, see
-    VALUE_DEPENDENT) and is not here."""
+    unconditionally. The language-model task runs with causal attention: its causal FLARE
+    mixers read values (VALUE_DEPENDENT)."""
     from flarepp.train import Trainer, apply_overrides
     config = apply_overrides(task_configs[task], [f"precision={precision}"])
     trainer = Trainer(config, tmp_path / "run", progress=False)

@@ -27,43 +27,10 @@ import torch
 
 from flarepp.ops import _kernels
 from flarepp.ops.attention import _encode_with_lse, default_scale, encode_with_lse
+from fake_cuda import LSE_ROWS, check_backward_layout, check_layout, require
 from reference import explicit_encode_lse
 
-ALIGN = 8  # the memory-efficient kernel's alignment in elements (128-bit, 16-bit dtypes)
-LSE_ROWS = 32  # its log-sum-exp rows are padded to a multiple of this
 TOL = dict(rtol=1e-10, atol=1e-10)
-
-
-def _check(cond: bool, what: str) -> None:
-    if not cond:
-        raise RuntimeError(f"emulated efficient attention: {what}")
-
-
-def _check_inputs(q, k, v, bias):
-    """The input rules of the CUDA op (attention_backward.cu, kernel_forward.h)."""
-    _check(q.dim() == k.dim() == v.dim() == 4, "q, k, v must be 4-D")
-    B, H, M, D = q.shape
-    N = k.shape[2]
-    _check(k.shape[:2] == v.shape[:2] == (B, H) and v.shape[2] == N, "q, k, v shapes")
-    _check(k.shape[3] == D, "q and k need the same head width")
-    _check(q.dtype == k.dtype == v.dtype, "q, k, v dtypes differ")
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        _check(t.stride(-1) == 1, f"{name}: last dim must be contiguous")
-        _check(t.shape[-1] % ALIGN == 0, f"{name}: head width {t.shape[-1]} is not a multiple "
-                                          f"of {ALIGN}")
-        _check(all(s % ALIGN == 0 for s in t.stride()[:3]), f"{name} is not correctly "
-                                                              f"aligned (strides {t.stride()})")
-        _check(t.storage_offset() % ALIGN == 0, f"{name}: misaligned data pointer")
-    if bias is not None:
-        _check(bias.dtype == q.dtype, "invalid dtype for bias - should match query's dtype")
-        _check(tuple(bias.shape) == (B, H, M, N), f"attn_bias: wrong shape {tuple(bias.shape)}")
-        _check(bias.stride(3) == 1, "attn_bias: last dimension must be contiguous")
-        _check(all(s % ALIGN == 0 for s in bias.stride()[:3]),
-               f"attn_bias is not correctly aligned (strides {bias.stride()})")
-        # Rows are read in 16-byte vectors: each must be stored up to a multiple of 16.
-        last_row = bias.storage_offset() + (B - 1) * bias.stride(0)
-        _check(last_row + math.ceil(N / 16) * 16 <= bias.untyped_storage().nbytes()
-               // bias.element_size(), "attn_bias rows are not padded to 16 elements")
 
 
 def _acc(t):
@@ -81,7 +48,7 @@ def _scores(q, k, bias, scale):
 
 
 def emulated_forward(q, k, v, bias, scale):
-    _check_inputs(q, k, v, bias)
+    check_layout(q, k, v, bias)
     B, H, M, _ = q.shape
     s = _scores(q, k, bias, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf on a row whose keys are all masked
@@ -94,15 +61,10 @@ def emulated_forward(q, k, v, bias, scale):
 
 
 def emulated_backward(dout, q, k, v, bias, out, lse, saved, scale):
-    _check_inputs(q, k, v, bias)
-    B, H, M, _ = q.shape
-    _check(dout.shape == out.shape == (B, H, M, v.shape[-1]), "grad_out / out shapes")
-    _check(out.transpose(1, 2).is_contiguous(),
-           "out must be laid out [B, M, H, Dv] in memory (row stride H * Dv)")
-    _check(tuple(lse.shape) == (B, H, math.ceil(M / LSE_ROWS) * LSE_ROWS),
-           f"logsumexp must be the forward's padded one, got {tuple(lse.shape)}")
-    _check(len(saved) == 2 and all(t.dtype == torch.int64 for t in saved),
-           "philox seed and offset must be handed back")
+    check_backward_layout(q, k, v, bias, dout, out, lse)
+    M = q.shape[2]
+    require(len(saved) == 2 and all(t.dtype == torch.int64 for t in saved),
+            "philox seed and offset must be handed back")
     p = torch.exp(_scores(q, k, bias, scale) - lse[..., :M].unsqueeze(-1))
     dout, out = _acc(dout), _acc(out)
     ds = p * (dout @ _acc(v).transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))

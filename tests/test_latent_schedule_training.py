@@ -13,14 +13,6 @@ TINY = ["epochs=3", "checkpoint_every=1", "batch_size=4", "device=cpu",
         "latent_schedule=2,4@1,6@2"]
 
 
-@pytest.fixture(scope="module")
-def darcy_dir(tmp_path_factory):
-    from flarepp.data.generators.darcy import make_darcy
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
-    return root
-
-
 @pytest.mark.slow
 def test_schedule_grows_model_ema_and_checkpoint(darcy_dir, tmp_path):
     """M follows the schedule (logged per epoch); the checkpoint rebuilds the grown model,

@@ -25,14 +25,6 @@ TINY = ["epochs=3", "checkpoint_every=5", "batch_size=4",
         "model.dim=16", "model.heads=2", "model.blocks=2", "model.latents=4", "device=cpu"]
 
 
-@pytest.fixture(scope="module")
-def darcy_dir(tmp_path_factory):
-    from flarepp.data.generators.darcy import make_darcy
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
-    return root
-
-
 def sets(items):
     return [a for t in items for a in ("--set", t)]
 

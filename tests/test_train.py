@@ -15,14 +15,6 @@ TINY = ["epochs=3", "checkpoint_every=1", "batch_size=4",
         "model.dim=16", "model.heads=2", "model.blocks=2", "model.latents=4"]
 
 
-@pytest.fixture(scope="module")
-def darcy_dir(tmp_path_factory):
-    from flarepp.data.generators.darcy import make_darcy
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root, n_train=12, n_test=4, resolution=15, seed=3, progress=False)
-    return root
-
-
 @pytest.mark.slow
 def test_resume_is_bitwise_identical(darcy_dir, tmp_path):
     """A run stopped after one epoch and resumed ends exactly where an uninterrupted run

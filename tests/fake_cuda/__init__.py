@@ -188,40 +188,66 @@ class KernelRuleError(RuntimeError):
     """An input the CUDA memory-efficient attention kernel would reject."""
 
 
-def _check(cond: bool, what: str) -> None:
+def require(cond: bool, what: str) -> None:
+    """Raise :class:`KernelRuleError` saying ``what`` unless ``cond``."""
     if not cond:
         raise KernelRuleError(f"efficient attention would reject this: {what}")
 
 
-def _check_qkv(q, k, v, bias) -> None:
-    _check(q.device.type == "cuda", f"inputs on {q.device}, not CUDA")
-    _check(q.dim() == k.dim() == v.dim() == 4, "q, k, v must be 4-D [B, H, X, D]")
+def require_qkv(q, k, v, bias) -> None:
+    require(q.device.type == "cuda", f"inputs on {q.device}, not CUDA")
+    require(q.dtype in (torch.float32, torch.float16, torch.bfloat16),
+           f"dtype {q.dtype} (float32, float16 and bfloat16 only)")
+    check_layout(q, k, v, bias)
+
+
+def check_layout(q, k, v, bias) -> None:
+    """The kernel's shape, stride, alignment and bias-padding rules for ``q [B, H, M, D]``,
+    ``k, v [B, H, N, D]`` and an additive ``bias [B, H, M, N]``, whatever the device and
+    dtype (PyTorch's ``check_supported`` in ``mem_eff_attention/kernel_forward.h`` and the
+    backward wrapper in ``attention_backward.cu``); also what the CPU emulation in
+    tests/test_kernels_cpu_emulation.py enforces."""
+    require(q.dim() == k.dim() == v.dim() == 4, "q, k, v must be 4-D [B, H, X, D]")
     B, H, M, D = q.shape
     N = k.shape[2]
-    _check(k.shape[:2] == v.shape[:2] == (B, H) and v.shape[2] == N, "q, k, v shapes disagree")
-    _check(k.shape[3] == D, "q and k need the same head width")
-    _check(q.dtype == k.dtype == v.dtype, "q, k, v dtypes differ")
-    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16),
-           f"dtype {q.dtype} (float32, float16 and bfloat16 only)")
+    require(k.shape[:2] == v.shape[:2] == (B, H) and v.shape[2] == N, "q, k, v shapes disagree")
+    require(k.shape[3] == D, "q and k need the same head width")
+    require(q.dtype == k.dtype == v.dtype, "q, k, v dtypes differ")
     for name, t in (("query", q), ("key", k), ("value", v)):
-        _check(t.stride(-1) == 1, f"{name}: last dim must be contiguous")
-        _check(t.shape[-1] % ALIGN == 0, f"{name}: head width {t.shape[-1]} is not a "
+        require(t.stride(-1) == 1, f"{name}: last dim must be contiguous")
+        require(t.shape[-1] % ALIGN == 0, f"{name}: head width {t.shape[-1]} is not a "
                                           f"multiple of {ALIGN}")
-        _check(all(s % ALIGN == 0 for s in t.stride()[:3]),
+        require(all(s % ALIGN == 0 for s in t.stride()[:3]),
                f"{name} is not correctly aligned (strides {t.stride()})")
-        _check(t.storage_offset() % ALIGN == 0, f"{name}: misaligned data pointer")
+        require(t.storage_offset() % ALIGN == 0, f"{name}: misaligned data pointer")
     if bias is not None:
-        _check(bias.dtype == q.dtype, "invalid dtype for bias - should match query's dtype")
-        _check(tuple(bias.shape) == (B, H, M, N), f"attn_bias: wrong shape {tuple(bias.shape)}")
-        _check(bias.stride(3) == 1, "attn_bias: last dimension must be contiguous")
-        _check(all(s % ALIGN == 0 for s in bias.stride()[:3]),
+        require(bias.dtype == q.dtype, "invalid dtype for bias - should match query's dtype")
+        require(tuple(bias.shape) == (B, H, M, N), f"attn_bias: wrong shape {tuple(bias.shape)}")
+        require(bias.stride(3) == 1, "attn_bias: last dimension must be contiguous")
+        require(all(s % ALIGN == 0 for s in bias.stride()[:3]),
                f"attn_bias is not correctly aligned (strides {bias.stride()})")
-        _check(bias.storage_offset() % ALIGN == 0, "attn_bias: misaligned data pointer")
+        require(bias.storage_offset() % ALIGN == 0, "attn_bias: misaligned data pointer")
         last_row = bias.storage_offset() + sum((n - 1) * s for n, s in
                                                zip(bias.shape[:3], bias.stride()[:3]))
         stored = bias.untyped_storage().nbytes() // bias.element_size()
-        _check(last_row + math.ceil(N / BIAS_ROW) * BIAS_ROW <= stored,
+        require(last_row + math.ceil(N / BIAS_ROW) * BIAS_ROW <= stored,
                "attn_bias rows are not padded to 16 elements")
+
+
+def check_backward_layout(q, k, v, bias, grad_out, out, lse) -> None:
+    """:func:`check_layout`, and the backward's own rules: ``grad_out`` and ``out`` of
+    shape ``[B, H, M, Dv]`` with ``out`` laid out ``[B, M, H, Dv]`` in memory, and the
+    forward's log-sum-exp padded to a multiple of ``LSE_ROWS`` rows."""
+    check_layout(q, k, v, bias)
+    B, H, M, _ = q.shape
+    Dv = v.shape[-1]
+    require(tuple(grad_out.shape) == tuple(out.shape) == (B, H, M, Dv),
+            f"grad_out {tuple(grad_out.shape)} / out {tuple(out.shape)} shapes")
+    require(out.stride(-1) == 1 and out.stride(2) == H * Dv and out.stride(1) == Dv,
+            f"out must be laid out [B, M, H, Dv] in memory (row stride H * Dv), "
+            f"strides {out.stride()}")
+    require(tuple(lse.shape) == (B, H, math.ceil(M / LSE_ROWS) * LSE_ROWS),
+            f"logsumexp must be the forward's padded one, got {tuple(lse.shape)}")
 
 
 class EfficientAttentionRules(TorchDispatchMode):
@@ -246,26 +272,18 @@ class EfficientAttentionRules(TorchDispatchMode):
 
     def _forward(self, q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                  *, scale=None):
-        _check_qkv(q, k, v, bias)
-        _check(compute_log_sumexp, "compute_log_sumexp must be True to get L")
+        require_qkv(q, k, v, bias)
+        require(compute_log_sumexp, "compute_log_sumexp must be True to get L")
         self.calls.append(("forward", {"q": tuple(q.shape), "v": tuple(v.shape),
                                        "dtype": q.dtype, "bias": bias is not None}))
 
     def _backward(self, grad_out, q, k, v, bias, out, lse, philox_seed, philox_offset,
                   dropout_p, grad_input_mask, is_causal=False, *, scale=None):
-        _check_qkv(q, k, v, bias)
-        B, H, M, _ = q.shape
-        Dv = v.shape[-1]
-        _check(tuple(grad_out.shape) == tuple(out.shape) == (B, H, M, Dv),
-               f"grad_out {tuple(grad_out.shape)} / out {tuple(out.shape)} shapes")
-        _check(grad_out.dtype == out.dtype == q.dtype, "grad_out / out dtype")
-        _check(out.stride(-1) == 1 and out.stride(2) == H * Dv and out.stride(1) == Dv,
-               f"out must be laid out [B, M, H, Dv] in memory (row stride H * Dv), "
-               f"strides {out.stride()}")
-        _check(lse.dtype == torch.float32, f"logsumexp dtype {lse.dtype}")
-        _check(tuple(lse.shape) == (B, H, math.ceil(M / LSE_ROWS) * LSE_ROWS),
-               f"logsumexp must be the forward's padded one, got {tuple(lse.shape)}")
-        _check(dropout_p == 0.0, "no dropout")
+        require_qkv(q, k, v, bias)
+        check_backward_layout(q, k, v, bias, grad_out, out, lse)
+        require(grad_out.dtype == out.dtype == q.dtype, "grad_out / out dtype")
+        require(lse.dtype == torch.float32, f"logsumexp dtype {lse.dtype}")
+        require(dropout_p == 0.0, "no dropout")
         self.calls.append(("backward", {"q": tuple(q.shape), "v": tuple(v.shape),
                                         "dtype": q.dtype, "bias": bias is not None}))
 
