@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from flarepp.data import DatasetSplits, MeshSamples, Normalizer, validation_indices
-from flarepp.experiments.report_stats import (choose_setting, interval, paired_differences,
+from flarepp.experiments.report_stats import (choose_setting, interval, length_report,
+                                              paired_differences,
                                               paired_report, selection_report)
 from flarepp.experiments.reports import Report, did_not_fit
 from flarepp.storage.config import FILE_SECTIONS, RunConfig
@@ -255,6 +256,43 @@ def test_paired_differences_and_their_interval_by_hand(tmp_path):
     assert "1 of 18 runs did not fit their training data: 1e-3_flare_0_A." in text
     assert "1 of 18 runs failed: 1e-3_flarepp-simple_2_B." in text
     assert "flarepp - flare: the difference" not in text
+
+
+def test_length_plots_the_metric_against_epochs_per_mixer(tmp_path):
+    """The `length` plug-in: per mixer and epoch count, mean +- sample std over (seed,
+    draw) of the headline, raw and EMA test values, checked against numbers written here;
+    a run that did not fit is counted at its length; the figure and CSV are written. With
+    one length it writes nothing. A failure means the training-length figure of
+    docs/results.md would show other numbers than its runs."""
+    rows = []
+    values = {("flare", 10): [0.30, 0.34], ("flare", 40): [0.20, 0.22],
+              ("flarepp", 10): [0.28, 0.30], ("flarepp", 40): [0.15, 0.19]}
+    for (mixer, epochs), tests in values.items():
+        for seed, v in enumerate(tests):
+            r = dict(row(mixer, seed, "A", None, v), epochs=epochs, value_raw=v,
+                     value_ema=v + 0.01)
+            r["point"] = f"{mixer}_{epochs}_{seed}"
+            rows.append(r)
+    rows[1] = dict(rows[1], train_value=0.9)
+    rows[1]["did_not_fit"] = did_not_fit(rows[1])
+    rep = report(rows, tmp_path)
+    rep.study.points[0].labels = {"epochs": None, "model.mixer": None, "seed": None}
+    length_report(rep)
+    table = {(r["mixer"], int(r["epochs"])): r
+             for r in csv.DictReader(open(tmp_path / "length.csv"))}
+    for key, tests in values.items():
+        got = table[key]
+        assert float(got["test_mean"]) == pytest.approx(sum(tests) / 2)
+        assert float(got["test_std"]) == pytest.approx(abs(tests[0] - tests[1]) / math.sqrt(2))
+        assert float(got["ema_mean"]) == pytest.approx(sum(tests) / 2 + 0.01)
+        assert got["finished"] == "2"
+    assert table[("flare", 10)]["did_not_fit"] == "1" and table[("flare", 40)]["did_not_fit"] == "0"
+    assert (tmp_path / "length.png").stat().st_size > 0
+    assert "## The metric against training length" in "\n".join(rep.lines)
+    one = report([r for r in rows if r["epochs"] == 10], tmp_path / "one")
+    one.study.points[0].labels = rep.study.points[0].labels
+    length_report(one)
+    assert one.lines == [] and not (tmp_path / "one").exists()
 
 
 # -- the study end to end ----------------------------------------------------------------------

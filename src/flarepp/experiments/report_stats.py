@@ -1,4 +1,4 @@
-"""The plug-ins that say how sure a study is: ``selection`` and ``paired``.
+"""The plug-ins that say how sure a study is: ``selection``, ``paired`` and ``length``.
 
 Both read a grid whose labels name a mixer (the config's), a ``seed`` and a data draw (the
 ``data_root`` axis: data generated with another seed); every other label is a *setting*
@@ -16,6 +16,10 @@ the test metric, then for each mixer B against A (FLARE by default; FLARE++ firs
 differences ``value(B) - value(A)`` of the runs that share a seed and a draw, their mean,
 sample std, count and the 95% interval ``mean ± t(0.975, n - 1) std / sqrt(n)``. An
 interval that holds 0 is written out as "not significant at 95%".
+
+``length`` shows the trend with training length where the grid has an ``epochs`` axis: per
+setting (every other one), each mixer's test metric against epochs, mean ± sample std over
+seeds and draws, raw and EMA weights where the runs stored both (figure ``length.png``).
 
 A run that finished without fitting its training data (:func:`.reports.did_not_fit`) is
 counted and kept in every mean; a run that failed (a non-finite loss) has no value, is
@@ -279,5 +283,83 @@ def paired_report(rep: Report) -> None:
     atomic_write_text(rep.paths["paired"], csv_text(table))
 
 
-__all__ = ["NOT_SETTINGS", "choose_setting", "interval", "paired_differences",
-           "paired_report", "selection_report", "settings_of", "verdict"]
+# ---------------------------------------------------------------------------------------------
+# training length
+
+
+LENGTH = "epochs"
+"""The grid axis the ``length`` plug-in plots against."""
+
+
+@REPORTS.register("length", doc="the metric against training length (an epochs axis): per "
+                                "mixer, mean ± std over seeds and draws, raw and EMA")
+def length_report(rep: Report) -> None:
+    if LENGTH not in rep.label_keys:
+        return
+    done = rep.done
+    lengths = sorted({int(r[LENGTH]) for r in done if finite(r.get(LENGTH))})
+    if len(lengths) < 2:
+        return
+    panel_keys = [k for k in settings_of(rep) if k != LENGTH]
+    panels: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rep.rows:
+        panels.setdefault(_setting(r, panel_keys), []).append(r)
+    both = any(finite(r.get("value_raw")) and finite(r.get("value_ema")) for r in done)
+    curves = [("value_raw", "raw", "-"), ("value_ema", "EMA", "--")] if both else \
+        [("value", "", "-")]
+    metric = rep.metric_name()
+    body, table = [], [[*panel_keys, "mixer", LENGTH, "runs", "finished", "test_mean",
+                        "test_std", "raw_mean", "raw_std", "ema_mean", "ema_std",
+                        "did_not_fit", "failed"]]
+    from flarepp.experiments.reports import _figure
+    plt = _figure()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, (panel, mine) in zip(axes[0], panels.items()):
+        for i, mixer in enumerate(mixers_in(mine)):
+            runs = [r for r in mine if r["mixer"] == mixer]
+            for field_, what, style in curves:
+                pts = [(n, *_stats([r for r in runs if r.get(LENGTH) == n], field_))
+                       for n in lengths]
+                pts = [p for p in pts if p[3]]
+                if pts:
+                    n, mean, std, _ = zip(*pts)
+                    ax.errorbar(n, mean, yerr=[0.0 if math.isnan(s) else s for s in std],
+                                color=f"C{i}", linestyle=style, marker="o", capsize=3,
+                                label=f"{mixer} {what}".strip())
+            for n in lengths:
+                at = [r for r in runs if r.get(LENGTH) == n]
+                test, raw, ema = (_stats(at, f) for f in ("value", "value_raw", "value_ema"))
+                failed = sum(r["status"] == "failed" for r in at)
+                unfit = sum(r.get("did_not_fit") is True for r in at)
+                body.append([*panel, mixer, n, f"{test[2]}/{len(at)}", spread(*test[:2]),
+                             spread(*raw[:2]), spread(*ema[:2]), unfit, failed])
+                table.append([*panel, mixer, n, len(at), test[2], test[0], test[1], raw[0],
+                              raw[1], ema[0], ema[1], unfit, failed])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("epochs")
+        ax.set_title(_describe(panel, panel_keys).replace("`", "") if panel_keys else "",
+                     fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"test {metric}")
+    fig.tight_layout()
+    rep.paths["length"] = rep.out_dir / "length.png"
+    fig.savefig(rep.paths["length"], dpi=120)
+    plt.close(fig)
+    rep.paths["length_csv"] = rep.out_dir / "length.csv"
+    atomic_write_text(rep.paths["length_csv"], csv_text(table))
+    rep.lines += ["", "## The metric against training length", "",
+                  f"Test `{metric}`: mean ± sample std over seeds and data draws of the finished "
+                  "runs at each length (each a whole one-cycle schedule of that many epochs; "
+                  "the headline of the weights each run names, then the raw and the EMA "
+                  "weights where stored). Runs that did not fit their training data are counted "
+                  "and kept.", ""]
+    rep.lines += markdown([*panel_keys, "mixer", LENGTH, "finished", "test", "raw", "EMA",
+                           "did not fit", "failed"], body)
+    rep.lines += ["", f"![test {metric} against epochs]({rep.paths['length'].name})"]
+
+
+__all__ = ["LENGTH", "NOT_SETTINGS", "choose_setting", "interval", "paired_differences",
+           "length_report", "paired_report", "selection_report", "settings_of", "verdict"]

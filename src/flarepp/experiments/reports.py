@@ -19,8 +19,8 @@ NaN for one run) and count per group of finished runs.
 :func:`flarepp.experiments.reporting.write_report` writes ``results.csv`` and ``report.md``
 from the plug-ins the study names (:data:`REPORTS`): ``runs`` (every point, failed ones with their error), ``seeds``
 (Table 11), ``depth`` (Figure 4), ``precision`` (Figure 7), ``cost`` (Figure 5), ``table1``
-(Table 1), ``lra`` (Table 12), ``selection`` (a setting chosen on validation) and
-``paired`` (paired differences between mixers). A plug-in that does not apply (one depth,
+(Table 1), ``lra`` (Table 12), ``selection`` (a setting chosen on validation),
+``paired`` (paired differences between mixers) and ``length`` (the metric against epochs). A plug-in that does not apply (one depth,
 no 16-bit runs) writes nothing.
 """
 

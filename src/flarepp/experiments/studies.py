@@ -85,7 +85,7 @@ def grid_names(axes: list[tuple[str, list[str]]]) -> list[tuple[str, tuple[tuple
     return points
 
 
-SWEEP_REPORTS = ("runs", "seeds", "depth", "precision", "selection", "paired")
+SWEEP_REPORTS = ("runs", "seeds", "depth", "precision", "selection", "paired", "length")
 """The report plug-ins of a sweep; each writes nothing where its grid does not apply."""
 
 
