@@ -404,3 +404,24 @@ def test_bench_stream_measures_both_forwards_and_their_difference():
     assert exact["max_abs_diff"] <= 1e-5 * max(1.0, exact["max_abs_output"])
     for key in ("streamed_vs_float64", "unchunked_vs_float64"):
         assert exact[key] <= 1e-5 * max(1.0, exact["max_abs_output"])
+
+
+@pytest.mark.slow
+def test_bench_stream_times_each_precision_against_the_first():
+    """``flarepp bench stream --precision fp32,bf16``: every (chunk, precision) variant is
+    measured in a fresh interpreter each round, the bf16 ones under autocast, and each
+    ratio is to the unchunked fp32 forward of the same round (1 for that one itself)."""
+    from flarepp.bench.streaming import stream_vs_unchunked
+    settings = dict(mixer="flarepp", in_dim=6, out_dim=4, dim=16, heads=2, latents=4,
+                    blocks=1)
+    out = stream_vs_unchunked(settings, 6000, [2000], rounds=1, threads=1,
+                              precisions=("fp32", "bf16"))
+    assert [(r["chunk_size"], r["precision"]) for r in out["summary"]] == [
+        (None, "fp32"), (2000, "fp32"), (None, "bf16"), (2000, "bf16")]
+    assert sorted((r["chunk_size"] or 0, r["precision"]) for r in out["records"]) == [
+        (0, "bf16"), (0, "fp32"), (2000, "bf16"), (2000, "fp32")]
+    by = {(r["chunk_size"], r["precision"]): r for r in out["records"]}
+    for row in out["summary"]:
+        mine = by[(row["chunk_size"], row["precision"])]
+        assert row["time_ratio"] == pytest.approx(mine["time_s"] / by[(None, "fp32")]["time_s"])
+    assert out["summary"][0]["time_ratio"] == 1.0

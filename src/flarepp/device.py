@@ -18,6 +18,10 @@ HOST = torch.device("cpu")
 machine without one, and the other way round) and where streamed hidden states may live."""
 PRECISIONS = ("fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_HELP = ("run the model under this autocast instead of the checkpoint's own precision "
+                  "(default): bf16 = BF16 matrix products with FP32 accumulation, faster "
+                  "where the hardware has BF16 dot products; compare its metrics with fp32 "
+                  "before relying on it (paper D.2)")
 DEVICE_HELP = ("auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda or "
                "cuda:K")
 

@@ -4,10 +4,12 @@ Shape letters: N tokens, K chunk size, C channels.
 
 * :func:`stream_vs_unchunked`: one inference forward of a model on N random tokens,
   unchunked and through :func:`~flarepp.distributed.stream_forward` with each chunk size,
-  each in a fresh interpreter, in interleaved rounds (the order rotates every round, so a
-  load that drifts on a shared machine hits every variant alike). Reported per round: wall
-  and CPU time, peak memory and minor page faults; the ratio of each streamed time to the
-  unchunked time of the same round, and its median over the rounds.
+  in each precision asked for (``fp32``; ``bf16`` / ``fp16`` autocast the forward: 16-bit
+  matrix products with FP32 accumulation), each in a fresh interpreter, in interleaved
+  rounds (the order rotates every round, so a load that drifts on a shared machine hits
+  every variant alike). Reported per round: wall and CPU time, peak memory and minor page
+  faults; the ratio of each variant's time to the unchunked time of the first precision in
+  the same round, and its median over the rounds.
 * :func:`stream_large`: one streamed forward of a mesh too large for the unchunked one.
 * :func:`stream_exactness`: ``max |y_stream - y|`` against the unchunked forward.
 
@@ -37,7 +39,7 @@ import torch
 
 from flarepp import allocator
 from flarepp.bench.memory import PeakMemory
-from flarepp.device import resolve_device, synchronize
+from flarepp.device import autocast, resolve_device, synchronize
 from flarepp.models import build_model
 
 WARMUP_TOKENS = 4096
@@ -48,7 +50,8 @@ def _inputs(n_tokens: int, in_dim: int, seed: int = 1) -> torch.Tensor:
 
 
 def _measure(job: dict[str, Any]) -> dict[str, Any]:
-    """One forward of ``job``'s model on its N tokens (``chunk_size`` None: unchunked)."""
+    """One forward of ``job``'s model on its N tokens (``chunk_size`` None: unchunked), under
+    the autocast of its ``precision``."""
     from flarepp.distributed import stream_forward
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
@@ -64,7 +67,8 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         return stream_forward(model, x_BNI, chunk_size=chunk_size, device=device,
                               hidden_on=job.get("hidden_on", "auto"), progress=progress)
 
-    with torch.no_grad():
+    precision = job.get("precision", "fp32")
+    with torch.no_grad(), autocast(precision, device):
         forward(x[:, :WARMUP_TOKENS])
         load_before = os.getloadavg()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -73,7 +77,8 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
             y = forward(x, job.get("progress", False))
             synchronize(device)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "time_s": wall,
+    return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "precision": precision,
+            "time_s": wall,
             "cpu_time_s": cpu, "peak_bytes": peak.peak, "mem_method": peak.method,
             "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
             "output_bytes": y.numel() * y.element_size(), "threads": torch.get_num_threads(),
@@ -142,52 +147,58 @@ def _in_fresh_interpreter(job: dict[str, Any], *, retain_memory: bool,
 def stream_vs_unchunked(settings: dict[str, Any], n_tokens: int, chunk_sizes: list[int], *,
                         rounds: int = 3, threads: int | None = None, device: str = "auto",
                         retain_memory: bool = True, timeout_s: float = 3600,
+                        precisions: tuple[str, ...] = ("fp32",),
                         on_record: Callable[[dict[str, Any]], None] | None = None
                         ) -> dict[str, Any]:
-    """Unchunked vs streamed forwards (see the module docstring); ``records`` holds every
-    measurement, ``summary`` per chunk size the median time, peak memory and ratio.
-    ``on_record`` is called with each record as it is measured."""
-    variants: list[int | None] = [None, *chunk_sizes]
+    """Unchunked vs streamed forwards in each of ``precisions`` (see the module docstring);
+    ``records`` holds every measurement, ``summary`` per chunk size and precision the median
+    time, peak memory and ratio. ``on_record`` is called with each record as it is
+    measured."""
+    variants = [(chunk, precision) for precision in precisions
+                for chunk in (None, *chunk_sizes)]
+    base = (None, precisions[0])
     records = []
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
-        for chunk_size in order:
+        for chunk_size, precision in order:
             job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
-                   "chunk_size": chunk_size, "threads": threads, "device": device}
+                   "chunk_size": chunk_size, "threads": threads, "device": device,
+                   "precision": precision}
             records.append({"round": r, **_in_fresh_interpreter(
                 job, retain_memory=retain_memory, timeout_s=timeout_s)})
             if on_record is not None:
                 on_record(records[-1])
-    by_round = {(rec["round"], rec["chunk_size"]): rec for rec in records}
+    by_round = {(rec["round"], rec["chunk_size"], rec["precision"]): rec for rec in records}
     summary = []
-    for chunk_size in variants:
-        mine = [rec for rec in records if rec["chunk_size"] == chunk_size]
-        row = {"chunk_size": chunk_size,
+    for chunk_size, precision in variants:
+        mine = [rec for rec in records
+                if (rec["chunk_size"], rec["precision"]) == (chunk_size, precision)]
+        row = {"chunk_size": chunk_size, "precision": precision,
                "time_s": statistics.median(rec["time_s"] for rec in mine),
                "cpu_time_s": statistics.median(rec["cpu_time_s"] for rec in mine),
                "peak_bytes": max(rec["peak_bytes"] for rec in mine),
                "minor_faults": statistics.median(rec["minor_faults"] for rec in mine)}
-        ratios = [by_round[(r, chunk_size)]["time_s"] / by_round[(r, None)]["time_s"]
-                  for r in range(rounds)]
+        ratios = [by_round[(r, chunk_size, precision)]["time_s"]
+                  / by_round[(r, *base)]["time_s"] for r in range(rounds)]
         row["time_ratios"] = ratios
         row["time_ratio"] = statistics.median(ratios)
         row["cpu_time_ratio"] = statistics.median(
-            by_round[(r, chunk_size)]["cpu_time_s"] / by_round[(r, None)]["cpu_time_s"]
-            for r in range(rounds))
+            by_round[(r, chunk_size, precision)]["cpu_time_s"]
+            / by_round[(r, *base)]["cpu_time_s"] for r in range(rounds))
         summary.append(row)
     hidden_bytes = n_tokens * settings["dim"] * 4  # float32 h [1, N, C]
     return {"settings": settings, "n_tokens": n_tokens, "rounds": rounds,
-            "hidden_bytes": hidden_bytes, "records": records, "summary": summary}
+            "precisions": list(precisions), "hidden_bytes": hidden_bytes, "records": records, "summary": summary}
 
 
 def stream_large(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,
                  threads: int | None = None, device: str = "auto", hidden_on: str = "auto",
-                 retain_memory: bool = True, progress: bool = True,
+                 retain_memory: bool = True, progress: bool = True, precision: str = "fp32",
                  timeout_s: float = 4 * 3600) -> dict[str, Any]:
     """One streamed forward on ``n_tokens`` random tokens: time and peak memory."""
     job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
            "chunk_size": chunk_size, "threads": threads, "device": device,
-           "hidden_on": hidden_on, "progress": progress}
+           "hidden_on": hidden_on, "progress": progress, "precision": precision}
     record = _in_fresh_interpreter(job, retain_memory=retain_memory, timeout_s=timeout_s)
     return {**record, "hidden_bytes": n_tokens * settings["dim"] * 4}
 

@@ -26,6 +26,15 @@ def _sizes(text: str) -> list[int]:
     return [_size(t) for t in text.split(",") if t.strip()]
 
 
+def _precisions(text: str) -> tuple[str, ...]:
+    from flarepp.device import PRECISIONS
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in names if t not in PRECISIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"precisions are {', '.join(PRECISIONS)}, got {text!r}")
+    return names
+
+
 def _mib(n: float) -> str:
     return f"{n / 2 ** 20:10.1f}"
 
@@ -41,19 +50,22 @@ def _bench_stream(args: argparse.Namespace) -> int:
     result: dict = {"settings": settings}
     if args.n:
         def show(r):
-            print(f"  round {r['round']} chunk {r['chunk_size'] or 'none'}: {r['time_s']:.2f} s "
+            print(f"  round {r['round']} chunk {r['chunk_size'] or 'none'} {r['precision']}: "
+                  f"{r['time_s']:.2f} s "
                   f"({r['cpu_time_s']:.2f} s CPU), peak {_mib(r['peak_bytes']).strip()} MiB, "
                   f"load {r['load_before'][0]:.1f}", flush=True)
 
         out = streaming.stream_vs_unchunked(settings, args.n, args.chunk_size,
-                                            rounds=args.rounds, on_record=show, **common)
+                                            rounds=args.rounds, on_record=show,
+                                            precisions=args.precision, **common)
         result["compare"] = out
         print(f"\nN={args.n}, {args.rounds} interleaved rounds; hidden state "
               f"{_mib(out['hidden_bytes']).strip()} MiB")
-        print("     chunk   time [s]  CPU [s]  peak [MiB]  faults   time ratio (rounds)")
+        print(f"time ratio: to the unchunked forward in {args.precision[0]}, same round")
+        print("     chunk precision  time [s]  CPU [s]  peak [MiB]  faults   time ratio (rounds)")
         for row in out["summary"]:
             ratios = ", ".join(f"{r:.2f}" for r in row["time_ratios"])
-            print(f"{row['chunk_size'] or 'none':>10} {row['time_s']:10.2f} "
+            print(f"{row['chunk_size'] or 'none':>10} {row['precision']:>9} {row['time_s']:9.2f} "
                   f"{row['cpu_time_s']:8.2f} {_mib(row['peak_bytes'])} "
                   f"{row['minor_faults']:8.0f}   {row['time_ratio']:.2f} ({ratios})")
         print("load average per record: " + "; ".join(
@@ -69,12 +81,14 @@ def _bench_stream(args: argparse.Namespace) -> int:
               f"{rec['unchunked_vs_float64']:.3e}")
     if args.large_n:
         rec = streaming.stream_large(settings, args.large_n, args.chunk_size[0],
-                                     hidden_on=args.hidden_on, **common)
+                                     hidden_on=args.hidden_on, precision=args.precision[0],
+                                     **common)
         result["large"] = rec
         print(f"\nstreamed N={args.large_n} in chunks of {rec['chunk_size']}: "
               f"{rec['time_s']:.1f} s ({rec['cpu_time_s']:.1f} s CPU), peak "
               f"{_mib(rec['peak_bytes']).strip()} MiB (hidden state "
-              f"{_mib(rec['hidden_bytes']).strip()} MiB), {rec['minor_faults']} minor faults; "
+              f"{_mib(rec['hidden_bytes']).strip()} MiB), {rec['precision']}, "
+              f"{rec['minor_faults']} minor faults; "
               f"load {rec['load_before'][0]:.1f} -> {rec['load_after'][0]:.1f}; "
               f"allocator {rec['malloc']}")
     if args.json:
@@ -108,6 +122,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens for one streamed forward alone (e.g. 8800000)")
     p.add_argument("--hidden-on", choices=["auto", "device", "host", "memmap"], default="auto",
                    help="where --large-n keeps the hidden state (default auto)")
+    p.add_argument("--precision", type=_precisions, default=("fp32",),
+                   help="comma-separated: fp32, bf16 (autocast: BF16 products, FP32 "
+                        "accumulation), fp16; --n times each (ratios against the first); "
+                        "--large-n runs the first")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:K")
     p.add_argument("--system-malloc", action="store_true",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from flarepp.cli import CLIError, at_least, check_output
-from flarepp.device import DEVICE_HELP
+from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 
 
 def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
@@ -109,7 +109,7 @@ def _infer(args: argparse.Namespace) -> int:
         from flarepp.models.backbone import compile_model
         compile_model(model)
     options = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, device=device,
-                   amp_dtype=amp_dtype(tm.config.precision))
+                   amp_dtype=amp_dtype(args.precision or tm.config.precision))
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
     if not args.context_parallel:
         _write(Path(args.out), predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, **options),
@@ -148,10 +148,11 @@ def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
         from flarepp.models.backbone import compile_model
         compile_model(model)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
+    amp = amp_dtype(args.precision or tm.config.precision)
 
     def results(cp):
         for r in predict_cases(model, cases, tm.x_norm, tm.y_norm, chunk_size=args.chunk_size,
-                               device=device, amp_dtype=amp_dtype(tm.config.precision), cp=cp):
+                               device=device, amp_dtype=amp, cp=cp):
             print(f"{r['name']}: {r['cells']} cells in {r['seconds']:.1f} s ({how}), nmse "
                   f"{r['nmse']:.4g}%, relative L2 {100 * r['rel_l2']:.3f}%, peak host memory "
                   f"so far {r['peak_gib']:.2f} GiB", flush=True)
@@ -165,7 +166,7 @@ def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
                 if not plan.is_writer:
                     for _ in predict_cases(model, cases, tm.x_norm, tm.y_norm, cp=cp,
                                            chunk_size=args.chunk_size, device=device,
-                                           amp_dtype=amp_dtype(tm.config.precision)):
+                                           amp_dtype=amp):
                         pass
                     return 0
                 done = write_case_predictions(Path(args.out), results(cp))
@@ -195,6 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (the first forward compiles)")
+    p.add_argument("--precision", choices=PRECISIONS, help=PRECISION_HELP)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before a stuck collective fails (--context-parallel)")
     p.set_defaults(func=_infer)

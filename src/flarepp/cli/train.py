@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, at_least, check_output
-from flarepp.device import DEVICE_HELP
+from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -86,7 +86,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         check_output(args.json, directory=False, option="--json")
     metrics = evaluate_checkpoint(args.checkpoint, data_root=args.data, device=args.device,
-                                  chunk_size=args.chunk_size)
+                                  chunk_size=args.chunk_size, precision=args.precision)
     if args.json:
         atomic_write_json(Path(args.json), metrics)
     print(json.dumps(metrics, indent=2))
@@ -162,6 +162,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
     e.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="stream each mesh through the model K points at a time (exact)")
+    e.add_argument("--precision", choices=PRECISIONS, help=PRECISION_HELP)
     e.set_defaults(func=_eval)
 
     g = sub.add_parser("plot", help="prediction and curve figures of a run directory")

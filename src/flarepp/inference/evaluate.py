@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flarepp.device import resolve_device
+from flarepp.device import amp_dtype, resolve_device
 from flarepp.storage.config import EVAL_WEIGHTS
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.tasks import Task, build_task
@@ -78,14 +78,22 @@ def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None
 def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None,
                         device: str | torch.device | None = "auto",
                         chunk_size: int | None = None, parallel: ParallelPlan = SINGLE,
-                        splits: tuple[str, ...] | None = None) -> dict[str, Any]:
+                        splits: tuple[str, ...] | None = None,
+                        precision: str | None = None) -> dict[str, Any]:
     """Metrics of a checkpoint's raw and EMA weights, keyed as in ``metrics.json``
-    (:func:`weight_metrics`; the headline is the run's ``eval_weights``)."""
+    (:func:`weight_metrics`; the headline is the run's ``eval_weights``).
+
+    ``precision`` (``fp32``, ``bf16``, ``fp16``) runs the model under that autocast instead
+    of the run's own (``config.precision``): e.g. an FP32-trained model evaluated with BF16
+    matrix products, FP32 accumulation (paper D.2 measures 16-bit inference against FP32);
+    the metrics name the precision they were computed in."""
     model, task, config, state = load_for_evaluation(path, data_root=data_root,
                                                      device=device, ema=False)
     device = next(model.parameters()).device
     models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
-    engine = Engine(task, device, config.precision, plan=parallel, chunk_size=chunk_size,
+    precision = precision or config.precision
+    amp_dtype(precision)  # refuses an unknown precision, naming the known ones
+    engine = Engine(task, device, precision, plan=parallel, chunk_size=chunk_size,
                     workers=config.workers(device.type))
     if parallel.cp_group is not None:
         from flarepp.distributed import context_parallel
@@ -99,7 +107,8 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
         metrics.update(weight_metrics(split, task.headline, by_weights, config.eval_weights))
         if "zero_target_samples" in by_weights["raw"]:
             metrics[f"{split}_zero_target_samples"] = by_weights["raw"]["zero_target_samples"]
-    metrics.update({"eval_weights": config.eval_weights, "epochs": int(state["epoch"]),
+    metrics.update({"eval_weights": config.eval_weights, "precision": precision,
+                    "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),
                     "device": str(device), "checkpoint": str(path)})
     return metrics
