@@ -89,6 +89,10 @@ def test_sweep_in_process_records_and_skips(tmp_path):
         assert r["fraction_of_peak"] == pytest.approx(
             r["achieved_flops_per_s"] / result["machine"]["peak_flops_per_s"])
     assert ratios(records)[0]["n"] == 256
+    flare, plus = ({r["mixer"]: r for r in records}[m] for m in ("flare", "flarepp"))
+    each = [p / f for p, f in zip(plus["round_times_s"], flare["round_times_s"])]
+    assert len(each) == 2 and ratios(records)[0]["round_ratios"] == pytest.approx(each)
+    assert ratios(records)[0]["time_ratio_rounds"] == pytest.approx(sum(each) / 2)
 
     tight = ScalingConfig(mixers=["flare"], sizes=[4096], isolate=False, time_budget_s=1e-9,
                           **TINY)

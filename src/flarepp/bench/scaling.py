@@ -32,7 +32,11 @@ a worker killed or timed out) as ``failed: ...``. The sweep goes on either way, 
 
 ``rounds`` > 1 measures every point that many times, round-robin over the mixers at each N
 (a fresh interpreter each time on CPU), and pools the timed steps: on a shared machine the
-load drifts over seconds to minutes, and interleaving keeps the mixers' ratios fair.
+load drifts over seconds to minutes, and interleaving keeps the mixers' ratios fair. Each
+record keeps its per-round medians (``round_times_s``), and :func:`ratios` gives, beside the
+ratio of the pooled medians, the median over rounds of the ratio within each round
+(``time_ratio_rounds``): the measure of two mixers side by side that a drift of the machine's
+speed between rounds does not move.
 
 ``retain_memory`` (CPU, default: on unless ``FLAREPP_RETAIN_MEMORY=0``) has each worker
 keep freed host memory for reuse (:mod:`flarepp.allocator`), as CUDA's caching allocator
@@ -447,6 +451,7 @@ def _finish(record: dict[str, Any], rounds: list[dict[str, Any]], peak: float) -
     """Pool the rounds: median over every timed step, the largest peak memory."""
     record.update({k: rounds[-1][k] for k in ("baseline_mem_bytes", "mem_method", "threads",
                                              "params", "malloc")})
+    record["round_times_s"] = [statistics.median(r["times_s"]) for r in rounds]
     record["times_s"] = [t for r in rounds for t in r["times_s"]]
     record["cpu_times_s"] = [t for r in rounds for t in r["cpu_times_s"]]
     record["time_s"] = statistics.median(record["times_s"])
@@ -496,7 +501,9 @@ def format_table(records: list[dict[str, Any]]) -> str:
 
 def ratios(records: list[dict[str, Any]], numerator: str = "flarepp",
            denominator: str = "flare") -> list[dict[str, Any]]:
-    """Per N where both are measured: time and memory of ``numerator`` over ``denominator``."""
+    """Per N where both are measured: time and memory of ``numerator`` over ``denominator``;
+    with several rounds also ``round_ratios`` (each round's median over the other's) and
+    ``time_ratio_rounds``, their median."""
     ok = {(r["mixer"], r["n"]): r for r in records if r["status"] == "ok"}
     rows = []
     for n in sorted({r["n"] for r in records}):
@@ -508,6 +515,10 @@ def ratios(records: list[dict[str, Any]], numerator: str = "flarepp",
                                             else None),
                          "mem_ratio": (a["peak_mem_bytes"] / b["peak_mem_bytes"]
                                        if b["peak_mem_bytes"] > 0 else math.nan)})
+            pairs = list(zip(a.get("round_times_s", []), b.get("round_times_s", [])))
+            if len(pairs) > 1 and len(a["round_times_s"]) == len(b["round_times_s"]):
+                rows[-1]["round_ratios"] = [x / y for x, y in pairs]
+                rows[-1]["time_ratio_rounds"] = statistics.median(rows[-1]["round_ratios"])
     return rows
 
 

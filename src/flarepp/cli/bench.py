@@ -72,14 +72,15 @@ def _scaling(args: argparse.Namespace) -> int:
         print("\nFLARE++ / FLARE:      N   step time   (CPU time)   peak memory")
         for r in rows:
             cpu = f"{r['cpu_time_ratio']:8.3f}" if r["cpu_time_ratio"] else "       -"
-            print(f"{r['n']:>26d}   {r['time_ratio']:9.3f}   {cpu}   {r['mem_ratio']:11.3f}")
+            print(f"{r['n']:>26d}   {r['time_ratio']:9.3f}   {cpu}   {r['mem_ratio']:11.3f}"
+                  + _rounds(r))
     for mixer in ("flare", "flarepp"):
         rows = ratios(result["records"], REFERENCE_MIXER, mixer)
         if rows:
             print(f"\nFLARE study's FLAREModel / flarepp {mixer}:  N   step time   (CPU time)")
             for r in rows:
                 cpu = f"{r['cpu_time_ratio']:8.3f}" if r["cpu_time_ratio"] else "       -"
-                print(f"{r['n']:>40d}   {r['time_ratio']:9.3f}   {cpu}")
+                print(f"{r['n']:>40d}   {r['time_ratio']:9.3f}   {cpu}" + _rounds(r))
     if args.json:
         paths = write_outputs(result, Path(args.json))
         print("\nwrote " + ", ".join(str(p) for p in paths.values()))
