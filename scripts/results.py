@@ -1,25 +1,30 @@
-"""docs/results.md: the training protocol's effect and FLARE vs FLARE++ vs simplified FLARE++
-on CPU-sized Darcy and Elasticity data generated here, with ``flarepp sweep``.
+"""docs/results.md: FLARE, FLARE++ and simplified FLARE++ compared fairly at CPU sizes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/results.py [--data data] [--out runs/results]
-                                                          [--jobs 2] [--only STUDY ...]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/results.py [--data DIR] [--out DIR]
+        [--jobs 2] [--only STUDY ...] [--page-only]
 
-Makes the data if absent (``flarepp data make darcy --train 200 --test 100`` and
-``flarepp data make elasticity --train 200 --test 50``), runs each study below as a sweep
-with ``--jobs`` processes sharing its directory (an interrupted call continues where it
-stopped: finished points are kept, half-finished ones resume), writes each sweep's report
-and then ``docs/results.md`` with its figures in ``docs/results/``. On two loaded CPU cores
-the 60 runs take hours; ``--only`` runs some studies (the page then shows those done).
+Each study below is one ``flarepp sweep`` run by ``--jobs`` processes sharing its directory
+(an interrupted call continues where it stopped), on data generated here (``flarepp data
+make DATASET --seed S``: one directory per data draw, ``DIR/<dataset>-draw<S>``). The page
+quotes each study's own report plug-ins (:func:`flarepp.experiments.reporting.
+report_sections`: ``selection``, ``paired``, ``length``), so every number on it is computed
+once, by the plug-in, from the run directories. A study not run yet is listed as such.
 
-Studies (``-tiny`` presets):
+Studies (``-tiny`` presets; 2 CPU cores):
 
-* ``protocol-legacy`` / ``protocol-reference``: FLARE and FLARE++ on Darcy at SDPA scale
-  1.0 and 1/sqrt(D), 3 seeds, under flarepp's earlier protocol (MSE of normalised outputs,
-  standardised inputs, decay on every parameter, fixed beta1) and under the FLARE study's
-  (the presets' default);
-* ``mixers-darcy`` and ``mixers-elasticity`` (the presets' samples and epochs: 20 and
-  25), B = 1, 2: FLARE, FLARE++ and simplified FLARE++, 3 seeds, each mixer at its
-  reference scale.
+* ``presets-<dataset>``: the ``-tiny`` setting chosen on a validation split (20% of the
+  training samples): peak learning rate x warm-up share x input normalisation, for FLARE,
+  FLARE++ and simplified FLARE++, 3 seeds x 2 data draws; the setting with the best mean over
+  the mixers of each mixer's mean validation error (no per-mixer tuning). About 3 CPU-hours
+  on Darcy, 6 on Elasticity.
+* ``mixers-<dataset>``: the chosen presets, the three mixers, 5 seeds x 2 fresh draws (not
+  the ones the setting was chosen on), all training samples: mean ± std per mixer and the
+  paired differences with 95% intervals.
+* ``length-<dataset>``: FLARE, FLARE++ and Transolver at 10-80 epochs (each a whole
+  one-cycle schedule), 400 training samples, 3 seeds: the metric against training length.
+
+The measurements made before this page (EMA weights, 3 seeds of one draw, copied settings)
+are frozen in ``docs/results/earlier.md`` and appended.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LEGACY = ["loss=mse", "input_norm=standard", "weight_decay_groups=all", "momentum_cycle=None"]
-PROTOCOL_GRID = ["model.mixer=flare,flarepp", "attn_scale=1.0,sqrt", "seed=0,1,2"]
 MIXERS = "model.mixer=flare,flarepp,flarepp-simple"
+PRESET_GRID = ["lr=1e-3,3e-3", "pct_start=0.1,0.3", "input_norm=reference,standard", MIXERS,
+               "seed=0,1,2"]
+SIZES = {"darcy": {"train": 200, "test": 100}, "elasticity": {"train": 200, "test": 50}}
 
 
 @dataclass
@@ -44,192 +50,142 @@ class Study:
     preset: str
     dataset: str
     grid: list[str]
+    draws: tuple[int, ...]
+    sections: tuple[str, ...]
+    title: str
     sets: list[str] = field(default_factory=list)
-    title: str = ""
+    train: int | None = None  # training samples of its data draws (default SIZES)
+
+    def data_dirs(self, data: Path) -> list[Path]:
+        suffix = "" if self.train is None else f"-train{self.train}"
+        return [data / f"{self.dataset}{suffix}-draw{seed}" for seed in self.draws]
+
+    def command(self, data: Path, out: Path) -> list[str]:
+        draws = ",".join(str(d) for d in self.data_dirs(data))
+        return ["sweep", self.preset, "--out", str(out / self.name), "--quiet", "--grid",
+                *self.grid, f"data_root={draws}", *[a for s in self.sets for a in ("--set", s)]]
 
 
 STUDIES = [
-    Study("protocol-legacy", "darcy-tiny", "darcy", PROTOCOL_GRID, LEGACY,
-          "Darcy, flarepp's earlier protocol"),
-    Study("protocol-reference", "darcy-tiny", "darcy", PROTOCOL_GRID, [],
-          "Darcy, the FLARE study's protocol"),
-    Study("mixers-darcy", "darcy-tiny", "darcy", [MIXERS, "model.blocks=1,2", "seed=0,1,2"],
-          [], "Darcy (200 / 100 samples, 22 x 22 grid, 20 epochs)"),
-    Study("mixers-elasticity", "elasticity-tiny", "elasticity",
-          [MIXERS, "model.blocks=1,2", "seed=0,1,2"], [],
-          "Elasticity (200 / 50 samples, 972 points, 25 epochs)"),
+    Study("presets-darcy", "darcy-tiny", "darcy", PRESET_GRID, (0, 1), ("selection",),
+          "Darcy: the `darcy-tiny` setting chosen on validation", ["val_fraction=0.2"]),
+    Study("presets-elasticity", "elasticity-tiny", "elasticity", PRESET_GRID, (0, 1),
+          ("selection",), "Elasticity: the `elasticity-tiny` setting chosen on validation",
+          ["val_fraction=0.2"]),
+    Study("mixers-darcy", "darcy-tiny", "darcy", [MIXERS, "seed=0,1,2,3,4"], (2, 3),
+          ("paired",), "Darcy (200 / 100 samples, 22 x 22 grid, 20 epochs): the mixers, "
+                       "5 seeds x 2 draws"),
+    Study("mixers-elasticity", "elasticity-tiny", "elasticity", [MIXERS, "seed=0,1,2,3,4"],
+          (2, 3), ("paired",), "Elasticity (200 / 50 samples, 972 points, 25 epochs): the "
+                               "mixers, 5 seeds x 2 draws"),
+    Study("length-darcy", "darcy-tiny", "darcy",
+          ["epochs=10,20,40,80", "model.mixer=flare,flarepp,transolver", "seed=0,1,2"], (4,),
+          ("length", "paired"), "Darcy (400 training samples): error against training length",
+          ["dataset_options.n_train=400"], train=400),
+    Study("length-elasticity", "elasticity-tiny", "elasticity",
+          ["epochs=10,20,40,80", "model.mixer=flare,flarepp,transolver", "seed=0,1,2"], (4,),
+          ("length", "paired"),
+          "Elasticity (400 training samples): error against training length",
+          ["dataset_options.n_train=400"], train=400),
 ]
-DATA = {"darcy": ["--train", "200", "--test", "100"],
-        "elasticity": ["--train", "200", "--test", "50"]}
 
 
 def flarepp(*args: str) -> list[str]:
     return [sys.executable, "-m", "flarepp", *args]
 
 
+def make_data(study: Study, data: Path) -> None:
+    sizes = dict(SIZES[study.dataset], **({"train": study.train} if study.train else {}))
+    for seed, path in zip(study.draws, study.data_dirs(data)):
+        if not path.exists():
+            subprocess.run(flarepp("data", "make", study.dataset, "--out", str(path),
+                                   "--train", str(sizes["train"]), "--test",
+                                   str(sizes["test"]), "--seed", str(seed), "--quiet"),
+                           check=True)
+
+
 def run_study(study: Study, data: Path, out: Path, jobs: int) -> None:
-    cmd = flarepp("sweep", study.preset, "--data", str(data / study.dataset),
-                  "--out", str(out / study.name), "--quiet", "--grid", *study.grid,
-                  *[a for s in study.sets for a in ("--set", s)])
+    make_data(study, data)
+    cmd = flarepp(*study.command(data, out))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(" ".join(cmd[1:]) + f"   (x{jobs})", flush=True)
     procs = [subprocess.Popen(cmd, env=env) for _ in range(jobs)]
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"{study.name}: sweep processes exited with {codes}")
-    subprocess.run(flarepp("sweep", "report", str(out / study.name)), check=True,
-                   stdout=subprocess.DEVNULL)
 
 
-def _pct(mean: float, std: float) -> str:
-    return f"{100 * mean:.2f} ± {100 * std:.2f}"
+def study_section(study: Study, data: Path, out: Path, figures: Path) -> list[str]:
+    """The study's heading, its command and its plug-ins' report lines; images copied to
+    ``figures`` and linked from the page."""
+    from flarepp.experiments.reporting import report_sections
+    from flarepp.experiments.reports import collect
+    directory = out / study.name
+    lines = [f"## {study.title}", ""]
+    command = "flarepp " + " ".join(study.command(Path("DATA"), Path("STUDIES")))
+    if not (directory / "study.json").exists():
+        return lines + [f"Not measured yet: `{command}` (`scripts/results.py --only "
+                        f"{study.name}`).", ""]
+    _, rows = collect(directory)
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "pending")}
+    seconds = sum(float(r["seconds"]) for r in rows if r.get("seconds"))
+    lines += [f"`{command}`: {counts['done']} of {len(rows)} runs done, {counts['failed']} "
+              f"failed, {counts['pending']} pending; {seconds / 3600:.1f} CPU-hours of "
+              "training (one thread per run).", ""]
+    section, paths = report_sections(directory, study.sections)
+    while section and not section[0]:
+        section = section[1:]
+    figures.mkdir(parents=True, exist_ok=True)
+    for key, path in paths.items():
+        if path.suffix == ".png":
+            target = figures / f"{study.name}_{path.name}"
+            shutil.copyfile(path, target)
+            section = [line.replace(f"]({path.name})", f"](results/{target.name})")
+                       for line in section]
+    # The plug-ins' own headings sit one level below the study's.
+    return lines + [("#" + line) if line.startswith("## ") else line for line in section] + [""]
 
 
-def seed_table(directory: Path) -> tuple[list[dict], list[dict]]:
-    """The sweep's rows, and per combination of its grid's axes other than the seed the
-    mean and sample std over seeds of the test and train relative L2 (Table 11)."""
-    from flarepp.experiments.reports import aggregate, collect
-    study, rows = collect(directory)
-    keys = [k for k in study.points[0].labels if k != "seed"]
-    table = []
-    for group in aggregate(rows, keys + ["sdpa_scale"]):
-        test, train = group.stats("value"), group.stats("train_value")
-        table.append({**group.key, "seeds": test[2], "test_mean": test[0], "test_std": test[1],
-                      "train_mean": train[0], "train_std": train[1]})
-    return rows, table
-
-
-def protocol_section(out: Path) -> list[str]:
-    tables = {}
-    for name in ("protocol-legacy", "protocol-reference"):
-        if not (out / name / "study.json").exists():
-            return []
-        tables[name] = {(t["model.mixer"], t["sdpa_scale"]): t
-                        for t in seed_table(out / name)[1]}
-    keys = sorted(set(tables["protocol-legacy"]) | set(tables["protocol-reference"]))
-    lines = ["## The training protocol (Darcy, `darcy-tiny`)", "",
-             "Test (train) relative L2 error in %, mean ± sample standard deviation over "
-             "seeds 0, 1, 2, the same seeds under both protocols. *Earlier*: MSE of the "
-             "normalised outputs, every input channel standardised, weight decay on every "
-             "parameter, fixed beta1 = 0.9. *Reference* (the presets' default now): the FLARE "
-             "study's relative L2 of de-normalised outputs plus 0.1 x that of the grid "
-             "gradients, raw grid positions with a standardised coefficient, decay on weight "
-             "matrices only, beta1 cycled 0.95 -> 0.85 -> 0.95.", "",
-             "| mixer | SDPA scale | earlier: test | earlier: train | reference: test | "
-             "reference: train | seeds |", "|---|---|---|---|---|---|---|"]
-    for key in keys:
-        old, new = (tables[n].get(key) for n in ("protocol-legacy", "protocol-reference"))
-        cells = []
-        for t in (old, new):
-            cells += (["-", "-"] if t is None else [_pct(t["test_mean"], t["test_std"]),
-                                                    _pct(t["train_mean"], t["train_std"])])
-        seeds = "/".join(str(t["seeds"]) if t else "0" for t in (old, new))
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + f" | {seeds} |")
-    lines += ["", *protocol_findings(tables), ""]
-    return lines
-
-
-def _change(a: float, b: float) -> str:
-    return f"{100 * (b - a) / a:+.0f}%"
-
-
-def protocol_findings(tables: dict) -> list[str]:
-    """Sentences computed from the table: protocol effect per mixer and scale, the scale
-    effect, and FLARE++'s margin over FLARE at each protocol and scale."""
-    out = []
-    for name, label in (("protocol-legacy", "earlier"), ("protocol-reference", "reference")):
-        t = tables[name]
-        flare = {s: v["test_mean"] for (m, s), v in t.items() if m == "flare"}
-        pp = {s: v["test_mean"] for (m, s), v in t.items() if m == "flarepp"}
-        for s_f in sorted(flare):
-            for s_p in sorted(pp):
-                out.append(f"- {label} protocol, FLARE at scale {s_f} vs FLARE++ at scale "
-                           f"{s_p}: FLARE++'s test error is {_change(flare[s_f], pp[s_p])} "
-                           "relative to FLARE's.")
-    old, new = tables["protocol-legacy"], tables["protocol-reference"]
-    for key in sorted(set(old) & set(new)):
-        out.append(f"- {key[0]} at scale {key[1]}: the reference protocol changes the test "
-                   f"error by {_change(old[key]['test_mean'], new[key]['test_mean'])}.")
-    return out
-
-
-def mixer_section(out: Path, study: Study, figures: Path) -> list[str]:
-    if not (out / study.name / "study.json").exists():
-        return []
-    rows, table = seed_table(out / study.name)
-    done = sum(r["status"] == "done" for r in rows)
-    sets = "".join(f" --set {s}" for s in study.sets)
-    lines = [f"## {study.title}: FLARE, FLARE++, simplified FLARE++", "",
-             f"`flarepp sweep {study.preset}{sets} --grid {' '.join(study.grid)}` ({done} of "
-             f"{len(rows)} runs done). Test (train) relative L2 in %, mean ± sample std over "
-             "seeds.", "", "| blocks | mixer | SDPA scale | test | train | seeds |",
-             "|---|---|---|---|---|---|"]
-    for t in sorted(table, key=lambda t: (int(t["model.blocks"]), t["model.mixer"])):
-        lines.append(f"| {t['model.blocks']} | {t['model.mixer']} | {t['sdpa_scale']} | "
-                     f"{_pct(t['test_mean'], t['test_std'])} | "
-                     f"{_pct(t['train_mean'], t['train_std'])} | {t['seeds']} |")
-    by_depth: dict[str, dict[str, float]] = {}
-    for t in table:
-        by_depth.setdefault(t["model.blocks"], {})[t["model.mixer"]] = t["test_mean"]
-    lines.append("")
-    for depth in sorted(by_depth, key=int):
-        errs = by_depth[depth]
-        best = min(errs, key=errs.get)
-        rel = (f"; FLARE++ vs FLARE {_change(errs['flare'], errs['flarepp'])}"
-               if {"flare", "flarepp"} <= set(errs) else "")
-        lines.append(f"- B = {depth}: lowest mean test error {best} "
-                     f"({100 * errs[best]:.2f}%){rel}.")
-    stuck = [r["point"] for r in rows
-             if r["status"] == "done" and r["train_value"] is not None
-             and float(r["train_value"]) >= 0.5]
-    if stuck:
-        lines.append(f"- {len(stuck)} of {done} runs ended with a training error of 50% or "
-                     f"more (they did not fit the training data): "
-                     f"{', '.join(stuck)}.")
-    source = out / study.name / "fig4_depth_latents.png"
-    if source.exists():
-        figures.mkdir(parents=True, exist_ok=True)
-        target = figures / f"{study.name}_depth.png"
-        shutil.copyfile(source, target)
-        lines += ["", f"![{study.title}: error against depth](results/{target.name})"]
-    return lines + [""]
-
-
-def write_page(out: Path) -> Path:
+def write_page(data: Path, out: Path) -> Path:
     page = ROOT / "docs" / "results.md"
     lines = ["# Results on CPU-sized data", "",
              "Produced by `OMP_NUM_THREADS=1 .venv/bin/python scripts/results.py` (see its "
-             "docstring); every number below is read from the sweeps' run directories. The "
-             "data are generated here (`flarepp data make`), far smaller than the public "
-             "benchmarks, and the models are the `-tiny` presets (C = 64, H = 4, M = 32, "
-             "20-25 epochs): these numbers test the code and the protocol, they do not "
-             "reproduce Table 1.", ""]
-    lines += protocol_section(out)
-    for study in STUDIES[2:]:
-        lines += mixer_section(out, study, ROOT / "docs" / "results")
+             "docstring); every number below is computed by the sweeps' report plug-ins from "
+             "their run directories (`flarepp sweep report DIR` prints the same). The data are "
+             "generated here (`flarepp data make`), far smaller than the public benchmarks, "
+             "and the models are the `-tiny` presets (C = 64, H = 4, M = 32): these numbers "
+             "test the code and the protocol at CPU sizes, they do not reproduce Table 1.", "",
+             "**Which weights, and how sure.** Errors are those of the weights each run names "
+             "(`eval_weights`: the raw weights, as the FLARE study reports; the EMA weights' "
+             "are stored beside them). A setting is chosen on a validation split carved from "
+             "the training data, by the mean over the mixers, never on test. Comparisons pair "
+             "runs that share a seed and a data draw and state a 95% interval; where it holds "
+             "0 the page says the difference is not significant. Runs that did not fit their "
+             "training data (training error no better than the best constant predictor's) are "
+             "counted and kept. Every mixer runs at its reference SDPA scale (FLARE 1, the "
+             "others 1/sqrt(D)).", ""]
+    for study in STUDIES:
+        lines += study_section(study, data, out, ROOT / "docs" / "results")
+    lines += [(ROOT / "docs" / "results" / "earlier.md").read_text().rstrip(), ""]
     page.write_text("\n".join(lines) + "\n")
     return page
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="data", help="data directory (one per dataset)")
-    parser.add_argument("--out", default="runs/results", help="sweep directories")
+    parser.add_argument("--data", default="data", help="data draws, one directory each")
+    parser.add_argument("--out", default="runs/results", help="the studies' directories")
     parser.add_argument("--jobs", type=int, default=2, help="processes per sweep")
     parser.add_argument("--only", nargs="+", choices=[s.name for s in STUDIES])
     parser.add_argument("--page-only", action="store_true",
-                        help="write docs/results.md from the sweeps as they are")
+                        help="write docs/results.md from the studies as they are")
     args = parser.parse_args()
     data, out = Path(args.data), Path(args.out)
     if not args.page_only:
-        for name, sizes in DATA.items():
-            if not (data / name).exists():
-                subprocess.run(flarepp("data", "make", name, "--out", str(data / name),
-                                       *sizes, "--quiet"), check=True)
         for study in STUDIES:
             if args.only is None or study.name in args.only:
                 run_study(study, data, out, args.jobs)
-    print(write_page(out))
+    print(write_page(data, out))
     return 0
 
 

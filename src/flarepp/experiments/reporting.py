@@ -43,4 +43,18 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     return rep.paths
 
 
-__all__ = ["write_report"]
+def report_sections(out_dir: str | Path, names: list[str] | tuple[str, ...]
+                    ) -> tuple[list[str], dict[str, Path]]:
+    """The Markdown lines and the files of the plug-ins ``names`` alone on the study of
+    ``out_dir`` (written there, as :func:`write_report` would): how a page that gathers
+    several studies (docs/results.md, ``scripts/results.py``) quotes their reports without
+    aggregating again."""
+    out_dir = Path(out_dir)
+    study, rows = collect(out_dir)
+    rep = Report(study, rows, out_dir)
+    for name in names:
+        REPORTS.get(name)(rep)
+    return rep.lines, rep.paths
+
+
+__all__ = ["report_sections", "write_report"]
