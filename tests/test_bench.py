@@ -258,3 +258,30 @@ def test_bench_scaling_exits_non_zero_when_a_point_fails(monkeypatch, capsys):
     assert "FAILED flare N=256" in err and "flarepp" not in err
     assert main(argv + ["--mixers", "flarepp"]) == 0
     assert "skipped: out of memory" in capsys.readouterr().out
+
+
+def test_scaling_cli_prints_the_per_round_ratios(monkeypatch, capsys):
+    """`flarepp bench scaling --rounds 2` prints, beside the ratio of pooled medians, each
+    round's FLARE++ / FLARE ratio and their median (fake timings: FLARE++ 1.5x, then 1.1x
+    FLARE in a slower round)."""
+    from flarepp.bench import scaling
+    from flarepp.cli import main
+    calls = []
+
+    def fake_measure(config, mixer, n, record, dev):
+        calls.append(mixer)
+        slow = 2.0 if len(calls) > 2 else 1.0
+        t = slow * (1.0 if mixer == "flare" else (1.5 if slow == 1.0 else 1.1))
+        return {"times_s": [t], "cpu_times_s": [t], "peak_mem_bytes": 1, "threads": 1,
+                "baseline_mem_bytes": 0, "mem_method": "fake", "params": 1, "malloc": "fake"}
+
+    monkeypatch.setattr(scaling, "_measure", fake_measure)
+    monkeypatch.setattr(scaling, "_machine", lambda config: {
+        "device_name": "test", "threads": 1, "torch": torch.__version__,
+        "peak_flops_per_s": 1e9, "peak_dtype": config.dtype})
+    assert main(["bench", "scaling", "--device", "cpu", "--n", "256", "--batch", "1",
+                 "--dim", "16", "--heads", "2", "--blocks", "1", "--latents", "4",
+                 "--mixers", "flare,flarepp", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert calls == ["flare", "flarepp", "flare", "flarepp"]
+    assert "per round: median 1.300 (1.500, 1.100)" in out

@@ -50,6 +50,14 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _rounds(row: dict) -> str:
+    """The median of the per-round ratios and the rounds' own, where there are rounds."""
+    if "time_ratio_rounds" not in row:
+        return ""
+    each = ", ".join(f"{x:.3f}" for x in row["round_ratios"])
+    return f"   per round: median {row['time_ratio_rounds']:.3f} ({each})"
+
+
 def _scaling(args: argparse.Namespace) -> int:
     from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, ratios,
                                        run_scaling, write_outputs)
