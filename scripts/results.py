@@ -15,13 +15,15 @@ Studies (``-tiny`` presets; 2 CPU cores):
 * ``presets-<dataset>``: the ``-tiny`` setting chosen on a validation split (20% of the
   training samples): peak learning rate x warm-up share x input normalisation, for FLARE,
   FLARE++ and simplified FLARE++, 3 seeds x 2 data draws; the setting with the best mean over
-  the mixers of each mixer's mean validation error (no per-mixer tuning). About 3 CPU-hours
-  on Darcy, 6 on Elasticity.
+  the mixers of each mixer's mean validation error (no per-mixer tuning). About 4.5
+  CPU-hours on Darcy (measured), 6-9 on Elasticity.
 * ``mixers-<dataset>``: the chosen presets, the three mixers, 5 seeds x 2 fresh draws (not
   the ones the setting was chosen on), all training samples: mean ± std per mixer and the
-  paired differences with 95% intervals.
+  paired differences with 95% intervals. About 1 CPU-hour on Darcy, 2 on Elasticity.
 * ``length-<dataset>``: FLARE, FLARE++ and Transolver at 10-80 epochs (each a whole
   one-cycle schedule), 400 training samples, 3 seeds: the metric against training length.
+  About 2 CPU-hours on Darcy and 4 on Elasticity (15,000 optimizer steps per mixer and
+  seed over the four lengths).
 
 The measurements made before this page (EMA weights, 3 seeds of one draw, copied settings)
 are frozen in ``docs/results/earlier.md`` and appended.
