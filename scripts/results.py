@@ -15,8 +15,8 @@ Studies (``-tiny`` presets; 2 CPU cores):
 * ``presets-<dataset>``: the ``-tiny`` setting chosen on a validation split (20% of the
   training samples): peak learning rate x warm-up share x input normalisation, for FLARE,
   FLARE++ and simplified FLARE++, 3 seeds x 2 data draws; the setting with the best mean over
-  the mixers of each mixer's mean validation error (no per-mixer tuning). About 4.5
-  CPU-hours on Darcy (measured), 6-9 on Elasticity.
+  the mixers of each mixer's mean validation error (no per-mixer tuning). Darcy took 3.2
+  CPU-hours of training (2.7 hours on 2 cores); Elasticity's runs are about twice as long.
 * ``mixers-<dataset>``: the chosen presets, the three mixers, 5 seeds x 2 fresh draws (not
   the ones the setting was chosen on), all training samples: mean ± std per mixer and the
   paired differences with 95% intervals. About 1 CPU-hour on Darcy, 2 on Elasticity.
