@@ -275,6 +275,9 @@ def test_length_plots_the_metric_against_epochs_per_mixer(tmp_path):
             rows.append(r)
     rows[1] = dict(rows[1], train_value=0.9)
     rows[1]["did_not_fit"] = did_not_fit(rows[1])
+    for status in ("failed", "pending"):  # counted at their length, no value
+        rows.append(dict(row("flare", 7, "A", None, None, status=status), epochs=40,
+                         point=f"flare_40_{status}"))
     rep = report(rows, tmp_path)
     rep.study.points[0].labels = {"epochs": None, "model.mixer": None, "seed": None}
     length_report(rep)
@@ -287,6 +290,8 @@ def test_length_plots_the_metric_against_epochs_per_mixer(tmp_path):
         assert float(got["ema_mean"]) == pytest.approx(sum(tests) / 2 + 0.01)
         assert got["finished"] == "2"
     assert table[("flare", 10)]["did_not_fit"] == "1" and table[("flare", 40)]["did_not_fit"] == "0"
+    assert (table[("flare", 40)]["runs"], table[("flare", 40)]["failed"]) == ("4", "1")
+    assert table[("flarepp", 40)]["runs"] == "2"
     assert (tmp_path / "length.png").stat().st_size > 0
     assert "## The metric against training length" in "\n".join(rep.lines)
     one = report([r for r in rows if r["epochs"] == 10], tmp_path / "one")

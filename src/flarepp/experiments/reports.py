@@ -80,7 +80,8 @@ def collect(out_dir: str | Path) -> tuple[Study, list[dict[str, Any]]]:
             "val_value_raw": metrics.get(f"val_{task.headline}_raw"),
             "val_value_ema": metrics.get(f"val_{task.headline}_ema"),
             "train_constant": metrics.get(f"train_constant_{task.headline}"),
-            **{k: metrics.get(k) for k in ("params", "seconds", "epochs", "device")}}
+            **{k: metrics.get(k) for k in ("params", "seconds", "device")},
+            "epochs": metrics.get("epochs", config.epochs)}  # trained, else configured
         if state.status == "done" and not finite(row["value"]):
             row.update(status="failed", error=f"test {task.headline} is {row['value']}")
         row["did_not_fit"] = did_not_fit(row)
