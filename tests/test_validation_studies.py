@@ -212,6 +212,9 @@ def test_selection_refuses_without_a_validation_metric(tmp_path):
     text = "\n".join(rep.lines)
     assert "No choice: no run has a validation metric (`val_rel_l2`)" in text
     assert "Chosen" not in text and not (tmp_path / "selection.csv").exists()
+    waiting = report([dict(r, status="pending") for r in rows], tmp_path)
+    selection_report(waiting)
+    assert "No choice yet: none of the 8 runs has finished." in waiting.lines
 
 
 T_975 = {6: 2.5705818366147395, 5: 2.7764451051977987}  # n pairs: t.ppf(0.975, n - 1)

@@ -127,6 +127,9 @@ def selection_report(rep: Report) -> None:
         return
     metric = rep.metric_name()
     rep.lines += ["", "## A setting chosen on validation", ""]
+    if not any(r["status"] == "done" for r in rows):
+        rep.lines += [f"No choice yet: none of the {len(rows)} runs has finished."]
+        return
     if not any(finite(r.get("val_value")) for r in rows):
         rep.lines += [f"No choice: no run has a validation metric (`val_{metric}`), and the "
                       "test metric is never used to choose. Sweep with `--set val_fraction=F` "
