@@ -46,10 +46,15 @@ def usage_error(argv, capsys) -> str:
 
 
 def _python(code: str, **kwargs) -> subprocess.Popen:
+    """A Python child with SIGINT at its default: a suite started in the background (``make
+    test &`` in a script) inherits SIGINT ignored, and Python then installs no
+    KeyboardInterrupt handler, so the signal tests would wait for nothing."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **kwargs)
 
 
 @pytest.fixture(scope="module")
