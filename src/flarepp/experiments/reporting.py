@@ -18,15 +18,15 @@ from flarepp.io import atomic_write_text
 def write_report(out_dir: str | Path) -> dict[str, Path]:
     """``results.csv``, ``report.md`` and what the study's plug-ins write, in ``out_dir``."""
     out_dir = Path(out_dir)
-    study, rows = collect(out_dir)
-    rep = Report(study, rows, out_dir)
+    rep = _run_plugins(out_dir, ["runs"])
+    study, rows = rep.study, rep.rows
     rep.paths.update(csv=out_dir / "results.csv", markdown=out_dir / "report.md")
     metrics = list(dict.fromkeys(f"test_{r['metric']}" for r in rows))
     fields = list(dict.fromkeys(
         [*rep.label_keys, *metrics, "status", "error", "mixer", "blocks", "latents",
          "precision", "seed", "sdpa_scale", "metric", "value", "train_value", "params",
          "seconds", "epochs", "device", "point"]))
-    for name in ["runs"] + [n for n in study.reports if n != "runs"]:
+    for name in [n for n in study.reports if n != "runs"]:
         REPORTS.get(name)(rep)
     fields = list(dict.fromkeys(fields + [k for r in rows for k in r]))  # plug-ins' columns
     atomic_write_text(rep.paths["csv"], csv_text(
@@ -49,12 +49,17 @@ def report_sections(out_dir: str | Path, names: list[str] | tuple[str, ...]
     ``out_dir`` (written there, as :func:`write_report` would): how a page that gathers
     several studies (docs/results.md, ``scripts/results.py``) quotes their reports without
     aggregating again."""
-    out_dir = Path(out_dir)
+    rep = _run_plugins(Path(out_dir), names)
+    return rep.lines, rep.paths
+
+
+def _run_plugins(out_dir: Path, names: list[str] | tuple[str, ...]) -> Report:
+    """The study of ``out_dir`` read once, and the plug-ins ``names`` run on it in order."""
     study, rows = collect(out_dir)
     rep = Report(study, rows, out_dir)
     for name in names:
         REPORTS.get(name)(rep)
-    return rep.lines, rep.paths
+    return rep
 
 
 __all__ = ["report_sections", "write_report"]
