@@ -286,6 +286,21 @@ def test_infer_with_a_dataset_of_another_task_is_a_sentence(darcy_run, tmp_path,
     assert "--dataset 'advection-diffusion' is not read as (x, y) samples" in err
 
 
+@pytest.mark.parametrize("extra, named", [
+    (["--hidden-on", "memmap"], "--hidden-on and --memmap-dir place a streamed mesh's hidden "
+                                "state: they need --chunk-size"),
+    (["--chunk-size", "8", "--memmap-dir", "absent"], "--memmap-dir absent: no such directory"),
+])
+def test_infer_hidden_state_options_are_checked_before_work(tmp_path, capsys, extra, named):
+    """`infer --hidden-on memmap` without `--chunk-size` would run unchunked and ignore it;
+    a missing `--memmap-dir` failed after the model had embedded every point. Both are exit 2
+    naming the option, before any checkpoint is read."""
+    code = cli(["infer", str(tmp_path / "c.pt"), "--data", str(tmp_path), "--out",
+                str(tmp_path / "pred.npz"), *extra])
+    assert code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "pred.npz").exists()
+
+
 def test_data_make_beyond_memory_says_how_much_it_needs(tmp_path, capsys):
     """`data make darcy` at a resolution that cannot fit memory was numpy's
     `_ArrayMemoryError` traceback; now exit 1 saying how much one array needs and how much

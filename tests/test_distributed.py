@@ -403,18 +403,24 @@ def test_trainer_context_parallel_matches_single_process(ranks_2, trained):
 
 @pytest.mark.slow
 def test_infer_cli_plain_streamed_and_sharded_agree(ranks_2, trained):
-    """``flarepp infer`` plain, with chunk sizes that do and do not divide N, and with
-    --context-parallel on 2 ranks (plus chunks) writes the same de-normalised ``pred`` to
-    1e-5, and ``rel_l2`` equal to the trainer's own test predictions."""
+    """``flarepp infer`` plain, with chunk sizes that do and do not divide N, with the hidden
+    state in a memory-mapped file, and with --context-parallel on 2 ranks (plus chunks)
+    writes the same de-normalised ``pred`` to 1e-5, and ``rel_l2`` equal to the trainer's
+    own test predictions."""
     from flarepp.cli import main
     root = trained["root"]
     preds = {}
+    hidden = root / "hidden"
+    hidden.mkdir(exist_ok=True)
     for name, extra in (("plain", []), ("divides", ["--chunk-size", "8"]),
-                        ("ragged", ["--chunk-size", "7"])):
+                        ("ragged", ["--chunk-size", "7"]),
+                        ("memmap", ["--chunk-size", "7", "--hidden-on", "memmap",
+                                    "--memmap-dir", str(hidden)])):
         out = str(root / f"{name}.npz")
         assert main(["infer", trained["checkpoint"], "--data", trained["data"],
                      "--out", out, *extra]) == 0
         preds[name] = np.load(out)
+    assert list(hidden.iterdir()) == []  # the memory-mapped hidden state is removed
     preds["sharded"] = np.load(trained["cp_pred"])
     reference = np.load(Path(trained["ref_run"]) / "test_predictions.npz")
     for name, found in preds.items():

@@ -107,3 +107,12 @@ def available_memory(device: torch.device | str = HOST) -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_host_memory() -> int:
+    """This process's peak resident memory in bytes so far (``getrusage``'s ``ru_maxrss``;
+    pages of memory-mapped files that were resident count in it)."""
+    import resource
+    import sys
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

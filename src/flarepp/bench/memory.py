@@ -40,18 +40,6 @@ def peak_rss_since(baseline: int) -> int:
     return _status_bytes("VmHWM") - baseline
 
 
-def available_bytes(device: torch.device) -> int:
-    """Memory a new measurement may use: ``MemAvailable`` on CPU, free memory on CUDA."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable; the memory estimate needs Linux")
-
-
 class PeakMemory:
     """``with PeakMemory(device) as pm: ...``; then ``pm.baseline`` and ``pm.peak`` (bytes
     above the baseline) and ``pm.method`` (how it was measured)."""

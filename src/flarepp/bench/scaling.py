@@ -75,9 +75,9 @@ import torch
 
 from flarepp import allocator
 from flarepp.bench.flops import MIXER_FLOPS, model_flops
-from flarepp.bench.memory import PeakMemory, available_bytes
+from flarepp.bench.memory import PeakMemory
 from flarepp.bench.reference import REFERENCE_MIXER, flare_study_model
-from flarepp.device import autocast, resolve_device, synchronize
+from flarepp.device import autocast, available_memory, resolve_device, synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZE_SUFFIXES = {"": 1, "k": 2 ** 10, "m": 2 ** 20}
@@ -418,7 +418,7 @@ def _plan(config: ScalingConfig, mixer: str, n: int, previous: dict[str, Any] | 
         record.update(flops=counts["step"], flops_forward=counts["forward"])
     est_mem, est_time = estimate_point(config, n, record["flops"], previous, peak)
     record.update(estimated_mem_bytes=est_mem, estimated_time_s=est_time)
-    record["status"] = skip_reason(config, est_mem, est_time, available_bytes(dev))
+    record["status"] = skip_reason(config, est_mem, est_time, available_memory(dev))
     return record
 
 

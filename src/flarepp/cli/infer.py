@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from flarepp.cli import CLIError, at_least, check_output
 from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
+from flarepp.distributed.streaming import HIDDEN_ON
 
 
 def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None,
@@ -91,12 +93,17 @@ def _write(path: Path, pred: np.ndarray, y: np.ndarray | None, mask: np.ndarray 
 
 
 def _infer(args: argparse.Namespace) -> int:
-    from flarepp.device import amp_dtype, resolve_device
+    from flarepp.device import amp_dtype, peak_host_memory, resolve_device
     from flarepp.distributed import context_parallel
     from flarepp.distributed.mesh import launch
     from flarepp.inference.mesh import predict_mesh
     from flarepp.train import load_trained_model
     check_output(args.out, directory=False)
+    if args.chunk_size is None and (args.hidden_on != "auto" or args.memmap_dir):
+        raise CLIError("--hidden-on and --memmap-dir place a streamed mesh's hidden state: "
+                       "they need --chunk-size")
+    if args.memmap_dir and not Path(args.memmap_dir).is_dir():
+        raise CLIError(f"--memmap-dir {args.memmap_dir}: no such directory")
     tm = load_trained_model(args.checkpoint)
     cases = _task_cases(args, tm)
     if cases is not None:
@@ -109,11 +116,16 @@ def _infer(args: argparse.Namespace) -> int:
         from flarepp.models.backbone import compile_model
         compile_model(model)
     options = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, device=device,
-                   amp_dtype=amp_dtype(args.precision or tm.config.precision))
+                   amp_dtype=amp_dtype(args.precision or tm.config.precision),
+                   hidden_on=args.hidden_on, memmap_dir=args.memmap_dir,
+                   progress=args.chunk_size is not None)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
     if not args.context_parallel:
-        _write(Path(args.out), predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, **options),
-               y, mask, how)
+        start = time.perf_counter()
+        pred = predict_mesh(model, x, mask, tm.x_norm, tm.y_norm, **options)
+        _write(Path(args.out), pred, y, mask,
+               f"{how}; {time.perf_counter() - start:.1f} s, peak host memory "
+               f"{peak_host_memory() / 2**30:.2f} GiB")
         return 0
     with launch(device, context_parallel=0, timeout_s=args.timeout) as plan:
         with context_parallel(model, plan.cp_group) as cp:
@@ -190,6 +202,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "checkpoint's (e.g. npz)")
     p.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="exact streaming: run K points at a time (memory set by K, not N)")
+    p.add_argument("--hidden-on", choices=HIDDEN_ON, default="auto",
+                   help="with --chunk-size: where the hidden state [B, N, C] lives between "
+                        "blocks: device, host memory, or a memory-mapped file (memmap); "
+                        "auto takes the first that holds it in half the free memory")
+    p.add_argument("--memmap-dir", metavar="DIR",
+                   help="directory for the memory-mapped hidden state (default the system's "
+                        "temporary directory); the file is removed afterwards")
     p.add_argument("--context-parallel", action="store_true",
                    help="split every mesh's points over the ranks of a torchrun launch")
     p.add_argument("--batch-size", type=at_least(1), default=1, help="samples per forward")

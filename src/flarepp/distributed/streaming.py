@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from flarepp.device import HOST
+from flarepp.device import HOST, available_memory
 from flarepp.distributed.encoder import debug_checks, merge_across_ranks
 from flarepp.distributed.shardable import (check_token_shardable, install_backend,
                                             restore_backends)
@@ -200,18 +200,6 @@ def _chunks(n_tokens: int, chunk_size: int) -> list[slice]:
     return [slice(i * chunk_size, min(n_tokens, (i + 1) * chunk_size)) for i in range(count)]
 
 
-def _available_bytes(device: torch.device) -> int:
-    """Memory free for a new buffer: free device memory, or the host's ``MemAvailable``."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if os.path.exists("/proc/meminfo"):  # Linux: free memory plus reclaimable caches
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # POSIX: free pages
-
-
 def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
                   memory_budget: int | None) -> str:
     """Resolve ``hidden_on="auto"``: the compute device if it is not the host and ``h`` fits
@@ -220,11 +208,11 @@ def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
         return hidden_on
     if device != HOST:
         budget = (memory_budget if memory_budget is not None
-                  else HIDDEN_BUDGET_FRACTION * _available_bytes(device))
+                  else HIDDEN_BUDGET_FRACTION * available_memory(device))
         if nbytes <= budget:
             return "device"
     budget = (memory_budget if memory_budget is not None
-              else HIDDEN_BUDGET_FRACTION * _available_bytes(HOST))
+              else HIDDEN_BUDGET_FRACTION * available_memory(HOST))
     return "host" if nbytes <= budget else "memmap"
 
 
@@ -295,10 +283,10 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
                 h_c = plan.embed(_to(x_BNI, sl, device), _to(mask_BN, sl, device))
                 if hidden is None:
                     shape = (batch, n_tokens, h_c.shape[-1])
-                    kind = _storage_kind(hidden_on, math.prod(shape) * h_c.element_size(),
-                                         device, memory_budget)
+                    nbytes = math.prod(shape) * h_c.element_size()
+                    kind = _storage_kind(hidden_on, nbytes, device, memory_budget)
                     hidden = _hidden_storage(kind, shape, h_c.dtype, device, memmap_dir, stack)
-                    bar.set_postfix_str(f"hidden state: {kind}")
+                    bar.set_postfix_str(f"hidden state: {kind}, {nbytes / 2**30:.2f} GiB")
                 hidden[:, sl] = h_c
             bar.update()
             carry = plan.initial_carry(batch)

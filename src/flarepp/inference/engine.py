@@ -29,7 +29,9 @@ from flarepp.inference.batching import eval_keys, make_loader, to_device, to_dev
 @torch.no_grad()
 def predict_tokens(model: nn.Module, batch: Batch, *, device: torch.device,
                    chunk_size: int | None = None, group: Any = None,
-                   forward: Callable[[Batch], torch.Tensor] | None = None) -> torch.Tensor:
+                   forward: Callable[[Batch], torch.Tensor] | None = None,
+                   hidden_on: str = "auto", memmap_dir: str | None = None,
+                   progress: bool = False) -> torch.Tensor:
     """The one prediction path: ``model``'s output for every token of ``batch``.
 
     ``batch`` holds ``x`` ``[B, N, I]`` (and ``mask`` ``[B, N]``) already cut to this rank's
@@ -39,10 +41,13 @@ def predict_tokens(model: nn.Module, batch: Batch, *, device: torch.device,
     otherwise ``forward(batch)`` (default ``model(x, mask)``) runs on tensors already on
     ``device``. Under ``group`` every rank returns the gathered ``[B, N, O]``. Every
     strategy computes the same function as ``model(x, mask)``; autocast is the caller's.
+    ``hidden_on``, ``memmap_dir`` and ``progress`` are :func:`~flarepp.distributed.
+    stream_forward`'s: where a streamed mesh's hidden state lives, and a progress bar.
     """
     if chunk_size is not None:
         pred = stream_forward(model, batch["x"], batch.get("mask"), chunk_size=chunk_size,
-                              device=device, group=group)
+                              device=device, group=group, hidden_on=hidden_on,
+                              memmap_dir=memmap_dir, progress=progress)
     elif forward is not None:
         pred = forward(batch)
     else:

@@ -28,12 +28,14 @@ def predict_mesh(model: nn.Module, x_SNI: np.ndarray, mask_SN: np.ndarray | None
                  x_norm: Normalizer, y_norm: Normalizer, *, batch_size: int = 1,
                  chunk_size: int | None = None, cp: ContextParallel | None = None,
                  amp_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> np.ndarray:
+                 device: torch.device | str | None = None, hidden_on: str = "auto",
+                 memmap_dir: str | None = None, progress: bool = False) -> np.ndarray:
     """De-normalised predictions ``[S, N, O]``; under ``cp`` every rank returns all of them.
 
     ``amp_dtype`` runs the model under autocast (bf16/fp16 checkpoints); inputs stay on the
     host and only the chunk (or shard) being computed is moved to ``device`` (default: the
-    model's).
+    model's). ``hidden_on``, ``memmap_dir``, ``progress``: where a streamed sample's hidden
+    state lives and a progress bar (:func:`~flarepp.inference.engine.predict_tokens`).
     """
     model.eval()
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -52,7 +54,8 @@ def predict_mesh(model: nn.Module, x_SNI: np.ndarray, mask_SN: np.ndarray | None
                if amp_dtype is not None else contextlib.nullcontext())
         with amp:
             y = predict_tokens(model, batch, device=device, chunk_size=chunk_size,
-                               group=None if cp is None else cp.group)
+                               group=None if cp is None else cp.group, hidden_on=hidden_on,
+                               memmap_dir=memmap_dir, progress=progress)
         y = y.float().cpu()
         if cp is not None:
             mask = None if mask_SN is None else torch.from_numpy(

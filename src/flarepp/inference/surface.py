@@ -31,8 +31,9 @@ def predict_cases(model: nn.Module, cases: Iterable[tuple[str, np.ndarray, np.nd
     units, ``cells``, wall ``seconds``, ``nmse`` (100 x the MSE of the channels standardised
     by ``y_norm``), ``rel_l2`` over all channels, and ``peak_gib``, this process's peak
     resident memory so far."""
-    import resource
     import time
+
+    from flarepp.device import peak_host_memory
 
     for name, x_1NI, y_1NO in cases:
         start = time.perf_counter()
@@ -45,7 +46,7 @@ def predict_cases(model: nn.Module, cases: Iterable[tuple[str, np.ndarray, np.nd
                "nmse": METRIC_SCALE * float(np.mean(np.square(err / y_norm.std.astype(
                    np.float64)))),
                "rel_l2": float(np.linalg.norm(err) / max(np.linalg.norm(truth), 1e-300)),
-               "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+               "peak_gib": peak_host_memory() / 2 ** 30}
 
 
 def write_case_predictions(path: Path, results: Iterable[dict[str, Any]]) -> list[dict]:
