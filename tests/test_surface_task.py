@@ -218,8 +218,11 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
                  str(tmp_path / "eval.json")]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["test_nmse"] == pytest.approx(metrics["test_nmse"], rel=1e-5)
+    (tmp_path / "hidden").mkdir()
     assert main(["infer", str(checkpoint), "--data", data, "--chunk-size", "300",
+                 "--hidden-on", "memmap", "--memmap-dir", str(tmp_path / "hidden"),
                  "--device", "cpu", "--out", str(tmp_path / "pred.npz")]) == 0
+    assert list((tmp_path / "hidden").iterdir()) == []  # the hidden state's file is gone
     with np.load(tmp_path / "pred.npz") as inferred:
         assert list(inferred["cases"]) == ["run_3", "run_4"]
         assert inferred["nmse"].mean() == pytest.approx(metrics["test_nmse"], rel=1e-4)

@@ -160,11 +160,12 @@ def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
         from flarepp.models.backbone import compile_model
         compile_model(model)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
-    amp = amp_dtype(args.precision or tm.config.precision)
+    options = dict(chunk_size=args.chunk_size, device=device, hidden_on=args.hidden_on,
+                   memmap_dir=args.memmap_dir,
+                   amp_dtype=amp_dtype(args.precision or tm.config.precision))
 
     def results(cp):
-        for r in predict_cases(model, cases, tm.x_norm, tm.y_norm, chunk_size=args.chunk_size,
-                               device=device, amp_dtype=amp, cp=cp):
+        for r in predict_cases(model, cases, tm.x_norm, tm.y_norm, cp=cp, **options):
             print(f"{r['name']}: {r['cells']} cells in {r['seconds']:.1f} s ({how}), nmse "
                   f"{r['nmse']:.4g}%, relative L2 {100 * r['rel_l2']:.3f}%, peak host memory "
                   f"so far {r['peak_gib']:.2f} GiB", flush=True)
@@ -177,8 +178,7 @@ def _infer_cases(args: argparse.Namespace, tm, cases) -> int:
             with context_parallel(model, plan.cp_group) as cp:
                 if not plan.is_writer:
                     for _ in predict_cases(model, cases, tm.x_norm, tm.y_norm, cp=cp,
-                                           chunk_size=args.chunk_size, device=device,
-                                           amp_dtype=amp):
+                                           **options):
                         pass
                     return 0
                 done = write_case_predictions(Path(args.out), results(cp))
