@@ -57,6 +57,7 @@ class Study:
     title: str
     sets: list[str] = field(default_factory=list)
     train: int | None = None  # training samples of its data draws (default SIZES)
+    caveat: str = ""  # what a reader must know to compare its mixers, printed under it
 
     def data_dirs(self, data: Path) -> list[Path]:
         suffix = "" if self.train is None else f"-train{self.train}"
@@ -67,6 +68,11 @@ class Study:
         return ["sweep", self.preset, "--out", str(out / self.name), "--quiet", "--grid",
                 *self.grid, f"data_root={draws}", *[a for s in self.sets for a in ("--set", s)]]
 
+
+BASELINE_CAVEAT = ("Transolver runs here at the `-tiny` preset's optimiser settings, chosen "
+                   "for the FLARE family, not at its own paper's (it was not tuned "
+                   "separately), with as many slices as the FLARE models have latents "
+                   "(M = 32).")
 
 STUDIES = [
     Study("presets-darcy", "darcy-tiny", "darcy", PRESET_GRID, (0, 1), ("selection",),
@@ -83,12 +89,12 @@ STUDIES = [
     Study("length-darcy", "darcy-tiny", "darcy",
           ["epochs=10,20,40,80", "model.mixer=flare,flarepp,transolver", "seed=0,1,2"], (4,),
           ("length", "paired"), "Darcy (400 training samples): error against training length",
-          ["dataset_options.n_train=400"], train=400),
+          ["dataset_options.n_train=400"], train=400, caveat=BASELINE_CAVEAT),
     Study("length-elasticity", "elasticity-tiny", "elasticity",
           ["epochs=10,20,40,80", "model.mixer=flare,flarepp,transolver", "seed=0,1,2"], (4,),
           ("length", "paired"),
           "Elasticity (400 training samples): error against training length",
-          ["dataset_options.n_train=400"], train=400),
+          ["dataset_options.n_train=400"], train=400, caveat=BASELINE_CAVEAT),
 ]
 
 
@@ -134,6 +140,8 @@ def study_section(study: Study, data: Path, out: Path, figures: Path) -> list[st
     lines += [f"`{command}`: {counts['done']} of {len(rows)} runs done, {counts['failed']} "
               f"failed, {counts['pending']} pending; {seconds / 3600:.1f} CPU-hours of "
               "training (one thread per run).", ""]
+    if study.caveat:
+        lines += [f"*{study.caveat}*", ""]
     section, paths = report_sections(directory, study.sections)
     while section and not section[0]:
         section = section[1:]
