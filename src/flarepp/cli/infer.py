@@ -118,7 +118,7 @@ def _infer(args: argparse.Namespace) -> int:
     options = dict(batch_size=args.batch_size, chunk_size=args.chunk_size, device=device,
                    amp_dtype=amp_dtype(args.precision or tm.config.precision),
                    hidden_on=args.hidden_on, memmap_dir=args.memmap_dir,
-                   progress=args.chunk_size is not None)
+                   progress=args.chunk_size is not None and not args.context_parallel)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
     if not args.context_parallel:
         start = time.perf_counter()
