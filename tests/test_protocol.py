@@ -215,8 +215,9 @@ def test_input_norm_rules():
     z = norm.encode(x)[mask]
     assert z[:, 2].min() == pytest.approx(0, abs=1e-6) and z[:, 2].max() == pytest.approx(1)
     assert resolve_input_norm(get_preset("darcy"), 3) == ["none", "none", "standard"]
-    # darcy-tiny standardises every channel: chosen by the preset study (docs/results.md)
+    # the -tiny presets standardise every channel: chosen by the preset studies (docs/results.md)
     assert resolve_input_norm(get_preset("darcy-tiny"), 3) == ["standard"] * 3
+    assert resolve_input_norm(get_preset("elasticity-tiny"), 2) == ["standard"] * 2
     assert resolve_input_norm(run_config(input_norm="reference", dataset="elasticity"), 2) \
         == ["none", "none"]
     assert resolve_input_norm(run_config(input_norm="reference"), 2) == ["standard"] * 2
