@@ -239,6 +239,32 @@ def test_reuse_checks_the_data_fingerprint(tmp_path):
     assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
 
 
+@pytest.mark.slow
+def test_a_study_grows_by_new_points_and_keeps_its_finished_runs(tmp_path):
+    """A grid that holds every stored point unchanged and adds some (a longer schedule,
+    more seeds) grows the study: the finished run is reused, only the new point trains,
+    and the report holds both. A grid that drops a stored point, or changes one, is still
+    refused, naming the points, and the stored study is left as it was."""
+    data = _npz(tmp_path / "d.npz")
+    out = tmp_path / "sw"
+
+    def study(epochs: str, sets=()):
+        return sweep_study("npz", parse_axes([f"epochs={epochs}"]), data=str(data),
+                           sets=[*TINY, "pct_start=0.3", *sets])
+
+    assert run_study(study("1"), out, **QUIET)["finished"] == ["epochs-1"]
+    done = run_study(study("1,2"), out, **QUIET)
+    assert done["reused"] == ["epochs-1"] and done["finished"] == ["epochs-2"]
+    stored = json.loads((out / "study.json").read_text())
+    assert [p["name"] for p in stored["points"]] == ["epochs-1", "epochs-2"]
+    assert {r["epochs"] for r in collect(out)[1] if r["status"] == "done"} == {1, 2}
+    with pytest.raises(StudyConflict, match=r"\['epochs-2'\] are not asked for"):
+        create_study(out, study("1"))
+    with pytest.raises(StudyConflict, match="batch_size differ"):
+        create_study(out, study("1,2,3", sets=["batch_size=2"]))
+    assert json.loads((out / "study.json").read_text()) == stored
+
+
 def _tiny_data(task: str, root: Path) -> list[str]:
     """Tiny data for ``task``'s preset and the ``--set`` items that fit a run to it."""
     if task == "rollout-tiny":

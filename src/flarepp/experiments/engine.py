@@ -4,11 +4,12 @@ A :class:`Study` is a list of :class:`Point` s, each a complete run config (the 
 ``flarepp sweep``, the models x datasets x seeds of ``flarepp compare``, ...), plus the
 report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its directory holds
 
-* ``study.json``, written once by :func:`create_study` under an exclusive lock, with every
+* ``study.json``, written by :func:`create_study` under an exclusive lock, with every
   point's ``data_root`` resolved to an absolute path: two different studies started at the
   same instant on one directory cannot both be accepted (the second is refused, naming
   what differs), and a process joining from another working directory trains on the same
-  data;
+  data. A study grows but never changes: one that holds every stored point unchanged and
+  adds points (more seeds, a longer schedule) replaces it, and its finished runs count;
 * ``runs/<point>/``, one run directory of the :class:`~flarepp.train.Trainer` per point;
 * ``claims/<point>/.lock``: a process works on a point only while it holds this
   :class:`~flarepp.storage.rundir.RunLock` (released by the kernel however the process
@@ -151,21 +152,32 @@ def _creation_lock(out_dir: Path) -> Iterator[None]:
 
 def create_study(out_dir: str | Path, study: Study) -> Study:
     """The study of ``out_dir``: ``study`` (paths resolved) written there if the directory
-    holds none, else the stored one when it computes the same; another is refused."""
+    holds none or ``study`` grows the stored one (:func:`_grows`), else the stored one when
+    it computes the same; another is refused."""
     out_dir = Path(out_dir)
     study = resolve_paths(study, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with _creation_lock(out_dir):
         path = out_dir / STUDY_NAME
-        if not path.exists():
+        stored = Study.from_dict(json.loads(path.read_text())) if path.exists() else None
+        if stored is None or _grows(study, stored):
             atomic_write_json(path, study.to_dict())
             return study
-        stored = Study.from_dict(json.loads(path.read_text()))
     if stored.identity() != study.identity():
         raise StudyConflict(f"{str(out_dir)!r} holds another study ({_difference(stored, study)});"
-                            f" continue it with `{stored.continue_with}` or choose another "
-                            "--out")
+                            f" continue it with `{stored.continue_with}`, ask for all of its "
+                            "points (and more, to grow it) or choose another --out")
     return stored
+
+
+def _grows(study: Study, stored: Study) -> bool:
+    """``study`` holds every point of ``stored`` with the same labels and config identity,
+    and more: the stored runs stay valid, the new points are added."""
+    if study.kind != stored.kind or study.timing_epochs != stored.timing_epochs:
+        return False
+    mine = {name: rest for name, *rest in study.identity()["points"]}
+    old = {name: rest for name, *rest in stored.identity()["points"]}
+    return len(mine) > len(old) and all(mine.get(name) == rest for name, rest in old.items())
 
 
 def _difference(stored: Study, mine: Study) -> str:
@@ -173,13 +185,11 @@ def _difference(stored: Study, mine: Study) -> str:
         return f"a {stored.kind} study, not a {mine.kind} one"
     old = {p.name: p for p in stored.points}
     new = {p.name: p for p in mine.points}
-    if set(old) != set(new):
-        extra, missing = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-        return (f"points {extra[:3]} are new" if extra else "") + \
-            (", " if extra and missing else "") + (f"points {missing[:3]} are not asked for"
-                                                    if missing else "")
-    for name, point in new.items():
-        a, b = old[name].config.identity(), point.config.identity()
+    missing = sorted(set(old) - set(new))
+    if missing:
+        return f"points {missing[:3]} are not asked for"
+    for name, point in old.items():
+        a, b = point.config.identity(), new[name].config.identity()
         keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         if keys:
             return f"point {name} has a different config: its {', '.join(keys)} differ"
