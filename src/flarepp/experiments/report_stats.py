@@ -319,15 +319,17 @@ def length_report(rep: Report) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False,
                              sharey=True)
     for ax, (panel, mine) in zip(axes[0], panels.items()):
-        for i, mixer in enumerate(mixers_in(mine)):
+        names = mixers_in(mine)
+        for i, mixer in enumerate(names):
             runs = [r for r in mine if r["mixer"] == mixer]
+            nudge = 2 ** (0.04 * (i - (len(names) - 1) / 2))  # error bars side by side
             for field_, what, style in curves:
                 pts = [(n, *_stats([r for r in runs if r.get(LENGTH) == n], field_))
                        for n in lengths]
                 pts = [p for p in pts if p[3]]
                 if pts:
                     n, mean, std, _ = zip(*pts)
-                    ax.errorbar(n, mean, yerr=[0.0 if math.isnan(s) else s for s in std],
+                    ax.errorbar([x * nudge for x in n], mean, yerr=[0.0 if math.isnan(s) else s for s in std],
                                 color=f"C{i}", linestyle=style, marker="o", capsize=3,
                                 label=f"{mixer} {what}".strip())
             for n in lengths:
