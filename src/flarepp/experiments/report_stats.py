@@ -329,7 +329,8 @@ def length_report(rep: Report) -> None:
                 pts = [p for p in pts if p[3]]
                 if pts:
                     n, mean, std, _ = zip(*pts)
-                    ax.errorbar([x * nudge for x in n], mean, yerr=[0.0 if math.isnan(s) else s for s in std],
+                    ax.errorbar([x * nudge for x in n], mean,
+                                yerr=[0.0 if math.isnan(s) else s for s in std],
                                 color=f"C{i}", linestyle=style, marker="o", capsize=3,
                                 label=f"{mixer} {what}".strip())
             for n in lengths:
