@@ -6,7 +6,7 @@
 Each study below is one ``flarepp sweep`` run by ``--jobs`` processes sharing its directory
 (an interrupted call continues where it stopped), on data generated here (``flarepp data
 make DATASET --seed S``: one directory per data draw, ``DIR/<dataset>-draw<S>``). The page
-quotes each study's own report plug-ins (:func:`flarepp.experiments.reporting.
+quotes each study's own report plug-ins (:func:`flarepp.experiments.reports.
 report_sections`: ``selection``, ``paired``, ``length``), so every number on it is computed
 once, by the plug-in, from the run directories. A study not run yet is listed as such.
 
@@ -128,23 +128,21 @@ def run_study(study: Study, data: Path, out: Path, jobs: int) -> None:
 def study_section(study: Study, data: Path, out: Path, figures: Path) -> list[str]:
     """The study's heading, its command and its plug-ins' report lines; images copied to
     ``figures`` and linked from the page."""
-    from flarepp.experiments.reporting import report_sections
-    from flarepp.experiments.reports import collect
+    from flarepp.experiments.reports import report_sections, status_counts, training_hours
     directory = out / study.name
     lines = [f"## {study.title}", ""]
     command = "flarepp " + " ".join(study.command(Path("DATA"), Path("STUDIES")))
     if not (directory / "study.json").exists():
         return lines + [f"Not measured yet: `{command}` (`scripts/results.py --only "
                         f"{study.name}`).", ""]
-    _, rows = collect(directory)
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "pending")}
-    seconds = sum(float(r["seconds"]) for r in rows if r.get("seconds"))
-    lines += [f"`{command}`: {counts['done']} of {len(rows)} runs done, {counts['failed']} "
-              f"failed, {counts['pending']} pending; {seconds / 3600:.1f} CPU-hours of "
+    rep = report_sections(directory, study.sections)
+    counts = status_counts(rep.rows)
+    lines += [f"`{command}`: {counts['done']} of {len(rep.rows)} runs done, {counts['failed']} "
+              f"failed, {counts['pending']} pending; {training_hours(rep.rows):.1f} CPU-hours of "
               "training (one thread per run).", ""]
     if study.caveat:
         lines += [f"*{study.caveat}*", ""]
-    section, paths = report_sections(directory, study.sections)
+    section, paths = list(rep.lines), rep.paths
     while section and not section[0]:
         section = section[1:]
     figures.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
     """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
-    from flarepp.experiments.engine import StudyInterrupted, run_study
+    from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
     from flarepp.experiments.studies import open_any_study
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     study = open_any_study(out) if study is None else study
     try:
         done = run_study(study, out, runtime=runtime,
@@ -35,7 +35,7 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
           "done")
     if done["error"]:
         print(f"points left by an error (see {Path(out) / 'events.jsonl'}): "
-              f"{', '.join(done['error'])}; fix the cause and run `{study.continue_with}`",
+              f"{', '.join(done['error'])}; fix the cause and run `{continue_command(out)}`",
               file=sys.stderr)
     if report:
         paths = write_report(out)
@@ -44,7 +44,7 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import parse_axes, sweep_study
     if args.preset == "report":
         if not args.directory:
