@@ -75,8 +75,9 @@ def test_a_plan_names_what_it_cannot_read(tmp_path, changes, message):
 def test_a_plan_study_is_the_sweep_its_command_says(tmp_path):
     """A study's ``data`` list becomes the grid's last axis (``data_root``), one name its
     ``--data``; the config is checked before anything runs (a bad --set item names the
-    study); ``--only`` refuses an unknown study. A failure means the plan runs another
-    study than the page says, or the results page's studies would not be joined."""
+    study); ``--only`` refuses an unknown study, ``--set`` anything but a runtime field. A
+    failure means the plan runs another study than the page says, or the results page's
+    studies would not be joined."""
     plan = read_plan(_plan(tmp_path))
     mixers, length = plan.studies
     data = tmp_path / "data"
@@ -96,6 +97,9 @@ def test_a_plan_study_is_the_sweep_its_command_says(tmp_path):
         bad.studies[1].study(bad, data)
     with pytest.raises(ValueError, match="no study 'lenght'"):
         plan.select(["lenght"])
+    # a process's --set may change only how it runs: refused before any data is made
+    assert main(["sweep", "--plan", str(plan.path), "--set", "lr=1"]) == 2
+    assert not data.exists()
 
 
 @pytest.mark.slow  # 411 configs checked

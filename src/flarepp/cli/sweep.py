@@ -48,7 +48,7 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
 def _plan(args: argparse.Namespace) -> int:
     """``--plan FILE``: every study of the plan in turn, each created or joined, or (``report``)
     their reports and the plan's page."""
-    from flarepp.experiments.engine import STUDY_NAME
+    from flarepp.experiments.engine import STUDY_NAME, check_runtime
     from flarepp.experiments.plan import read_plan, write_page
     from flarepp.experiments.reports import write_report
     if args.grid or args.directory or args.preset not in (None, "report"):
@@ -63,6 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
         if plan.page and args.only is None:
             print(write_page(plan, out))
         return 0
+    check_runtime(args.set)
     studies = [(entry, entry.study(plan, data)) for entry in chosen]  # all checked first
     status = 0
     for entry, study in studies:
