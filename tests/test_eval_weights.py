@@ -136,7 +136,7 @@ def test_a_report_reads_the_headline_and_shows_both_weights(tmp_path):
     is the EMA weights') and one after: results.csv and report.md give each run's headline,
     the weights it names, and raw and EMA columns where known (no training here)."""
     from flarepp.experiments.engine import Point, Study, create_study, run_dir
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     base = get_preset("darcy-tiny")
     points = [Point(f"seed-{s}", dataclasses.replace(base, seed=s), {"seed": s})
               for s in (0, 1)]

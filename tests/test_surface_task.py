@@ -287,8 +287,8 @@ def test_pareto_study_trains_the_grid_and_marks_the_front(data, tmp_path):
     a second pass redoes nothing, the report has the matched ratios, and the front is the
     non-dominated set."""
     from flarepp.experiments.engine import create_study, open_study, run_study
-    from flarepp.experiments.report_cost import pareto_front
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports.cost import pareto_front
+    from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import pareto_study
     assert pareto_front([1, 2, 3, 4, 2], [5, 4, 4.5, 1, 4]) == [0, 1, 3]
     study = pareto_study(config(data, epochs=1), ["flare", "flarepp", "abupt"], [1], [2, 4],

@@ -5,6 +5,7 @@ environment errors resumable), kill-and-resume with several processes, every tas
 metric in the report, and the one seed aggregation."""
 
 import csv
+import dataclasses
 import errno
 import json
 import math
@@ -21,8 +22,8 @@ import pytest
 
 from flarepp.cli import main
 from flarepp.experiments.engine import StudyConflict, create_study, read_events, run_study
-from flarepp.experiments.reporting import write_report
-from flarepp.experiments.reports import aggregate, collect, precision_ratios
+from flarepp.experiments.reports import Row, aggregate, collect, write_report
+from flarepp.experiments.reports.runs import precision_ratios
 from flarepp.experiments.studies import grid_names, parse_axes, split_values, sweep_study
 
 TINY = ["epochs=8", "checkpoint_every=1", "model.dim=8", "model.heads=2", "model.latents=4",
@@ -107,11 +108,11 @@ def test_one_seed_aggregation_and_precision_ratio():
     """Table 11 uses the sample standard deviation (ddof 1); Figure 7's ratio is the mean
     16-bit metric over the mean FP32 metric of the same mixer, depth and budget; failed and
     pending runs are left out."""
-    rows = [dict(status="done", mixer="flare", sdpa_scale="1", blocks=2, latents=8,
-                 precision=p, seed=s, value=t, train_value=t / 2)
+    rows = [Row(point=f"{p}-{s}", status="done", mixer="flare", sdpa_scale="1", blocks=2,
+                latents=8, precision=p, seed=s, value=t, train_value=t / 2)
             for p, s, t in [("fp32", 0, 0.10), ("fp32", 1, 0.14), ("fp16", 0, 0.15),
                             ("fp16", 1, 0.21)]]
-    rows.append(dict(rows[0], status="failed", value=float("nan")))
+    rows.append(dataclasses.replace(rows[0], status="failed", value=float("nan")))
     groups = {g.key["precision"]: g for g in aggregate(rows, ["mixer", "precision"])}
     mean, std, n = groups["fp32"].stats()
     assert (mean, n) == (pytest.approx(0.12), 2) and std == pytest.approx(math.sqrt(0.0008))
@@ -201,10 +202,10 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
     assert done["failed"] == ["lr-1e30"] and done["error"] == ["lr-1e-3"]
     assert not (out / "runs" / "lr-1e-3" / "failed.json").exists()
     _, rows = collect(out)
-    by = {r["point"]: r for r in rows}
-    assert by["lr-1e30"]["status"] == "failed" and "loss became" in by["lr-1e30"]["error"]
-    assert by["lr-1e-3"]["status"] == "pending"
-    assert "No space left on device" in by["lr-1e-3"]["error"]
+    by = {r.point: r for r in rows}
+    assert by["lr-1e30"].status == "failed" and "loss became" in by["lr-1e30"].error
+    assert by["lr-1e-3"].status == "pending"
+    assert "No space left on device" in by["lr-1e-3"].error
     monkeypatch.setattr(loop, "save_checkpoint", real_save)  # space freed
     assert main(["sweep", "--out", str(out), "--quiet", "--report"]) == 0
     events = read_events(out)
@@ -233,7 +234,7 @@ def test_reuse_checks_the_data_fingerprint(tmp_path):
     done = run_study(study, out, **QUIET)
     assert done["error"] == ["seed-0"] and done["reused"] == []
     (row,) = collect(out)[1]
-    assert row["status"] == "done"  # its own result, but the rerun said why it is not reused
+    assert row.status == "done"  # its own result, but the rerun said why it is not reused
     assert any("DataMismatch" in (e.get("error") or "") for e in read_events(out))
     data.write_bytes(original)
     assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
@@ -257,7 +258,7 @@ def test_a_study_grows_by_new_points_and_keeps_its_finished_runs(tmp_path):
     assert done["reused"] == ["epochs-1"] and done["finished"] == ["epochs-2"]
     stored = json.loads((out / "study.json").read_text())
     assert [p["name"] for p in stored["points"]] == ["epochs-1", "epochs-2"]
-    assert {r["epochs"] for r in collect(out)[1] if r["status"] == "done"} == {1, 2}
+    assert {r.epochs for r in collect(out)[1] if r.status == "done"} == {1, 2}
     with pytest.raises(StudyConflict, match=r"\['epochs-2'\] are not asked for"):
         create_study(out, study("1"))
     with pytest.raises(StudyConflict, match="batch_size differ"):

@@ -5,6 +5,7 @@ against hand computations, and one tiny ``flarepp sweep`` over settings, mixers,
 and data draws."""
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 
 from flarepp.data import DatasetSplits, MeshSamples, Normalizer, validation_indices
-from flarepp.experiments.report_stats import (choose_setting, interval, length_report,
+from flarepp.experiments.reports.stats import (choose_setting, interval, length_report,
                                               paired_differences,
                                               paired_report, selection_report)
-from flarepp.experiments.reports import Report, did_not_fit
+from flarepp.experiments.reports import Report, Row, did_not_fit
 from flarepp.storage.config import FILE_SECTIONS, RunConfig
 from flarepp.tasks.fields import FieldTask
 from flarepp.train import check_run_config, get_preset
@@ -134,14 +135,25 @@ def test_constant_predictor_is_the_best_fixed_prediction():
 # -- the report plug-ins on hand-made rows -----------------------------------------------------
 
 def row(mixer, seed, draw, val, test, *, lr="1e-3", status="done", train=0.05,
-        constant=0.5):
-    r = {"point": f"{lr}_{mixer}_{seed}_{draw}", "mixer": mixer, "model.mixer": mixer, "seed": str(seed), "data_root": draw,
-         "lr": lr, "status": status, "metric": "rel_l2", "lower_is_better": True,
-         "val_value": val, "value": test, "train_value": train, "train_constant": constant}
+        constant=0.5) -> Row:
+    r = Row(point=f"{lr}_{mixer}_{seed}_{draw}", mixer=mixer, seed=seed, status=status,
+            labels={"model.mixer": mixer, "seed": str(seed), "data_root": draw, "lr": lr},
+            metric="rel_l2", lower_is_better=True, val_value=val, value=test,
+            train_value=train, train_constant=constant)
     if status != "done":
-        r.update(val_value=None, value=None, train_value=None)
-    r["did_not_fit"] = did_not_fit(r)
+        r.val_value = r.value = r.train_value = None
+    r.did_not_fit = did_not_fit(r)
     return r
+
+
+def changed(r: Row, **changes) -> Row:
+    """``r`` with fields or (any other name) labels changed; ``did_not_fit`` recomputed."""
+    fields = {f.name for f in dataclasses.fields(Row)}
+    out = dataclasses.replace(r, **{k: v for k, v in changes.items() if k in fields},
+                              labels={**r.labels, **{k: v for k, v in changes.items()
+                                                     if k not in fields}})
+    out.did_not_fit = did_not_fit(out)
+    return out
 
 
 def report(rows, tmp_path) -> Report:
@@ -205,14 +217,14 @@ def test_a_study_still_running_chooses_nothing_yet(tmp_path):
 
 
 def test_selection_refuses_without_a_validation_metric(tmp_path):
-    rows = [dict(r, val_value=None) for r in grid_rows({("1e-3", "flare"): [0.1] * 4,
+    rows = [changed(r, val_value=None) for r in grid_rows({("1e-3", "flare"): [0.1] * 4,
                                                         ("3e-3", "flare"): [0.2] * 4})]
     rep = report(rows, tmp_path)
     selection_report(rep)
     text = "\n".join(rep.lines)
     assert "No choice: no run has a validation metric (`val_rel_l2`)" in text
     assert "Chosen" not in text and not (tmp_path / "selection.csv").exists()
-    waiting = report([dict(r, status="pending") for r in rows], tmp_path)
+    waiting = report([changed(r, status="pending") for r in rows], tmp_path)
     selection_report(waiting)
     assert "No choice yet: none of the 8 runs has finished." in waiting.lines
 
@@ -233,8 +245,7 @@ def test_paired_differences_and_their_interval_by_hand(tmp_path):
             + [row("flarepp", s, d, None, v) for (s, d), v in zip(pairs, plus)]
             + [row("flarepp-simple", s, d, None, v) for (s, d), v in zip(pairs, simple)])
     rows[-1] = row("flarepp-simple", 2, "B", None, None, status="failed")
-    rows[0] = dict(rows[0], train_value=0.7)
-    rows[0]["did_not_fit"] = did_not_fit(rows[0])
+    rows[0] = changed(rows[0], train_value=0.7)
     for b, values, n in (("flarepp", plus, 6), ("flarepp-simple", simple[:5], 5)):
         diffs = np.asarray(values) - np.asarray(flare[:n])
         mean = sum(diffs) / n
@@ -245,7 +256,7 @@ def test_paired_differences_and_their_interval_by_hand(tmp_path):
         assert got["std"] == pytest.approx(std)
         assert (got["low"], got["high"]) == (pytest.approx(mean - half),
                                              pytest.approx(mean + half))
-    rep = report([dict(r, lr=None) for r in rows], tmp_path)
+    rep = report([changed(r, lr=None) for r in rows], tmp_path)
     rep.study.points[0].labels = {"model.mixer": None, "seed": None, "data_root": None}
     paired_report(rep)
     text = "\n".join(rep.lines)
@@ -272,15 +283,12 @@ def test_length_plots_the_metric_against_epochs_per_mixer(tmp_path):
               ("flarepp", 10): [0.28, 0.30], ("flarepp", 40): [0.15, 0.19]}
     for (mixer, epochs), tests in values.items():
         for seed, v in enumerate(tests):
-            r = dict(row(mixer, seed, "A", None, v), epochs=epochs, value_raw=v,
-                     value_ema=v + 0.01)
-            r["point"] = f"{mixer}_{epochs}_{seed}"
-            rows.append(r)
-    rows[1] = dict(rows[1], train_value=0.9)
-    rows[1]["did_not_fit"] = did_not_fit(rows[1])
+            rows.append(changed(row(mixer, seed, "A", None, v), epochs=epochs, value_raw=v,
+                                value_ema=v + 0.01, point=f"{mixer}_{epochs}_{seed}"))
+    rows[1] = changed(rows[1], train_value=0.9)
     for status in ("failed", "pending"):  # counted at their length, no value
-        rows.append(dict(row("flare", 7, "A", None, None, status=status), epochs=40,
-                         point=f"flare_40_{status}"))
+        rows.append(changed(row("flare", 7, "A", None, None, status=status), epochs=40,
+                            point=f"flare_40_{status}"))
     rep = report(rows, tmp_path)
     rep.study.points[0].labels = {"epochs": None, "model.mixer": None, "seed": None}
     length_report(rep)
@@ -297,7 +305,7 @@ def test_length_plots_the_metric_against_epochs_per_mixer(tmp_path):
     assert table[("flarepp", 40)]["runs"] == "2"
     assert (tmp_path / "length.png").stat().st_size > 0
     assert "## The metric against training length" in "\n".join(rep.lines)
-    one = report([r for r in rows if r["epochs"] == 10], tmp_path / "one")
+    one = report([r for r in rows if r.epochs == 10], tmp_path / "one")
     one.study.points[0].labels = rep.study.points[0].labels
     length_report(one)
     assert one.lines == [] and not (tmp_path / "one").exists()

@@ -47,7 +47,7 @@ def _pareto(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     for path in write_report(args.directory).values():
         print(path)
     return 0

@@ -2,7 +2,9 @@
 
 Every experiment command (``sweep``, ``compare``, ``lra compare``, ``drivaerml pareto``)
 builds a study and hands it to :func:`execute`; ``flarepp sweep --out DIR`` continues any
-of them, ``flarepp sweep report DIR`` reports on any of them.
+of them, ``flarepp sweep report DIR`` reports on any of them. ``flarepp sweep --plan FILE``
+runs (or joins) every study of a plan file in turn (:mod:`flarepp.experiments.plan`),
+``flarepp sweep report --plan FILE`` writes their reports and the plan's page.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
     """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
-    from flarepp.experiments.engine import StudyInterrupted, run_study
+    from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
     from flarepp.experiments.studies import open_any_study
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     study = open_any_study(out) if study is None else study
     try:
         done = run_study(study, out, runtime=runtime,
@@ -35,7 +37,7 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
           "done")
     if done["error"]:
         print(f"points left by an error (see {Path(out) / 'events.jsonl'}): "
-              f"{', '.join(done['error'])}; fix the cause and run `{study.continue_with}`",
+              f"{', '.join(done['error'])}; fix the cause and run `{continue_command(out)}`",
               file=sys.stderr)
     if report:
         paths = write_report(out)
@@ -43,9 +45,46 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
     return 1 if done["error"] else 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """``--plan FILE``: every study of the plan in turn, each created or joined, or (``report``)
+    their reports and the plan's page."""
+    from flarepp.experiments.engine import STUDY_NAME, check_runtime
+    from flarepp.experiments.plan import read_plan, write_page
+    from flarepp.experiments.reports import write_report
+    if args.grid or args.directory or args.preset not in (None, "report"):
+        raise CLIError("--plan FILE names the studies: give no PRESET, DIR or --grid")
+    plan = read_plan(args.plan)
+    out, data = Path(args.out or plan.out), args.data or plan.data_dir
+    chosen = plan.select(args.only)
+    if args.preset == "report":
+        for entry in chosen:
+            if (out / entry.name / STUDY_NAME).exists():
+                print("\n".join(str(p) for p in write_report(out / entry.name).values()))
+        if plan.page and args.only is None:
+            print(write_page(plan, out))
+        return 0
+    check_runtime(args.set)
+    studies = [(entry, entry.study(plan, data)) for entry in chosen]  # all checked first
+    status = 0
+    for entry, study in studies:
+        for name in entry.draws():
+            plan.data[name].make(data)
+        print(f"{entry.name}: {entry.command(plan, data, out)}", flush=True)
+        code = execute(study, out / entry.name, quiet=args.quiet, runtime=args.set or [],
+                       report=args.report)
+        if code > 1:  # interrupted: the rest waits for the rerun
+            return code
+        status = max(status, code)
+    return status
+
+
 def _sweep(args: argparse.Namespace) -> int:
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import parse_axes, sweep_study
+    if args.plan:
+        return _plan(args)
+    if args.only:
+        raise CLIError("--only names studies of a --plan FILE")
     if args.preset == "report":
         if not args.directory:
             raise CLIError("usage: flarepp sweep report DIR")
@@ -81,9 +120,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "preset=P1,P2")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override the preset for every point (repeatable); when continuing "
-                        "a study, runtime fields only (device=cpu)")
-    p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
-    p.add_argument("--out", help="the study's directory (one run directory per point)")
+                        "a study or with --plan, runtime fields only (device=cpu)")
+    p.add_argument("--data", help="dataset directory (default: the preset's data_root); with "
+                                  "--plan, the folder of its data draws")
+    p.add_argument("--out", help="the study's directory (one run directory per point); with "
+                                 "--plan, the folder of its studies")
+    p.add_argument("--plan", metavar="FILE", help="a plan file (JSON): run or join each of "
+                                                  "its studies in turn; `sweep report --plan "
+                                                  "FILE` writes their reports and its page")
+    p.add_argument("--only", nargs="+", metavar="STUDY", help="with --plan: these studies")
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")

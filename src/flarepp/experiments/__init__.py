@@ -1,6 +1,8 @@
 """Experiments on the core library: one engine (:mod:`.engine`: a study -> claimed points ->
-train a point -> events), the studies the commands start (:mod:`.studies`), and report
-plug-ins (:mod:`.reports`); the Table 1 models (:mod:`.comparison`)."""
+train a point -> events), the studies the commands start (:mod:`.studies`), plans of
+several studies and their page (:mod:`.plan`), and the reports (:mod:`.reports`: typed
+rows, the one seed aggregation, plug-ins listed by name); the Table 1 models
+(:mod:`.comparison`)."""
 
 from flarepp.experiments.comparison import (COMPARISON_MODELS, PAPER_SETTINGS, TABLE1_ORDER,
                                             build_comparison_model, comparison_model_kwargs,

@@ -409,6 +409,15 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
     return "finished"
 
 
+def check_runtime(runtime: list[str] | None) -> None:
+    """Refuse ``--set`` items of a process joining a study that are not runtime fields."""
+    from flarepp.storage.config import RUNTIME_FIELDS
+    for item in runtime or []:
+        if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
+            raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
+                             "may differ between the processes of a study")
+
+
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
               log: Callable[[str], None] = print) -> dict[str, list[str]]:
     """Train every point of ``study`` that is neither finished nor held by another process
@@ -417,12 +426,8 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
     ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
     only. Returns this process's point names by outcome: ``finished``, ``failed``,
     ``error`` (left resumable), ``skipped`` (held by another process), ``reused``."""
-    from flarepp.storage.config import RUNTIME_FIELDS
     from flarepp.storage.rundir import RunLock, RunLocked
-    for item in runtime or []:
-        if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
-            raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
-                             "may differ between the processes of a study")
+    check_runtime(runtime)
     out_dir = Path(out_dir)
     study = create_study(out_dir, study)
     fingerprints = DataFingerprints()
@@ -477,7 +482,7 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DataFingerprints", "continue_command", "Point", "PointState", "Study", "StudyConflict",
+__all__ = ["DataFingerprints", "check_runtime", "continue_command", "Point", "PointState", "Study", "StudyConflict",
            "StudyInterrupted", "create_study", "open_study", "point_state", "read_events",
            "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
            "train_point"]

@@ -85,7 +85,8 @@ def grid_names(axes: list[tuple[str, list[str]]]) -> list[tuple[str, tuple[tuple
     return points
 
 
-SWEEP_REPORTS = ("runs", "seeds", "depth", "precision", "selection", "paired", "length")
+SWEEP_REPORTS = ("runs", "seeds", "depth", "precision", "selection", "paired", "length",
+                 "rollout", "growth")
 """The report plug-ins of a sweep; each writes nothing where its grid does not apply."""
 
 

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from flarepp.experiments.engine import COST_NAME, run_dir
-from flarepp.experiments.reports import REPORTS, Report, aggregate, fmt, markdown
+from flarepp.experiments.reports.common import Report, figure_module, fmt, markdown
+from flarepp.experiments.reports.rows import aggregate
 
 MIXER_LABELS = {"flare": "FLARE", "flarepp": "FLARE++", "abupt": "AB-UPT"}
 MIXER_COLOURS = {"flare": "tab:blue", "flarepp": "tab:red", "abupt": "tab:green"}
@@ -68,21 +69,21 @@ def configurations(rep: Report) -> list[dict[str, Any]]:
     """Finished, costed runs grouped by (mixer, blocks, budget): mean and spread over seeds
     of the error, mean cost."""
     for r in rep.rows:
-        point = next(p for p in rep.study.points if p.name == r["point"])
-        r.update(training_cost(run_dir(rep.out_dir, point), point.config.epochs) or {})
+        point = next(p for p in rep.study.points if p.name == r.point)
+        r.extra.update(training_cost(run_dir(rep.out_dir, point), point.config.epochs) or {})
         cases = run_dir(rep.out_dir, point) / "surface_errors.json"
-        if r["status"] == "done" and cases.is_file():
+        if r.status == "done" and cases.is_file():
             cases = json.loads(cases.read_text())["cases"]
             for channel in cases[0]["nmse_channels"] if cases else ():
-                r[f"error_{channel}"] = float(np.mean([c["nmse_channels"][channel]
+                r.extra[f"error_{channel}"] = float(np.mean([c["nmse_channels"][channel]
                                                        for c in cases]))
     out = []
-    for g in aggregate([r for r in rep.rows if "hours" in r], ["mixer", "blocks", "budget"]):
+    for g in aggregate([r for r in rep.rows if "hours" in r.extra], ["mixer", "blocks", "budget"]):
         mean, std, n = g.stats()
         out.append({**g.key, "seeds": n, "error": mean, "error_std": std,
-                    "hours": float(np.mean([r["hours"] for r in g.rows])),
-                    "params": g.rows[0].get("params"), "device": g.rows[0].get("device"),
-                    "latents": g.rows[0]["latents"] if g.key["mixer"] != "abupt" else None})
+                    "hours": float(np.mean([r.extra["hours"] for r in g.rows])),
+                    "params": g.rows[0].params, "device": g.rows[0].device,
+                    "latents": g.rows[0].latents if g.key["mixer"] != "abupt" else None})
     return sorted(out, key=lambda c: (c["mixer"], c["blocks"], str(c["budget"])))
 
 
@@ -117,9 +118,7 @@ def cost_error_figure(configs: list[dict[str, Any]], front: list[int], path: Pat
                       unit: str, metric: str) -> Path:
     """Figure 5: the metric against training cost, one colour per mixer, one marker per
     depth, the Pareto front as a dashed staircase through its (ringed) points."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figure_module()
     fig, ax = plt.subplots(figsize=(6.4, 4.4), constrained_layout=True)
     depths = sorted({c["blocks"] for c in configs})
     for mixer in sorted({c["mixer"] for c in configs}):
@@ -152,9 +151,9 @@ def cost_error_figure(configs: list[dict[str, Any]], front: list[int], path: Pat
     return path
 
 
-@REPORTS.register("cost", doc="Figure 5: the metric against training cost, the Pareto front, "
-                              "FLARE++ over FLARE at matched (B, M)")
 def cost_report(rep: Report) -> None:
+    """Figure 5: the metric against training cost, the Pareto front, FLARE++ over FLARE at
+    matched (B, M)."""
     from flarepp.paper import FIGURE5_CLAIMS
     configs = configurations(rep)
     unit = device_kind(configs[0]["device"]) if configs else "CPU"
@@ -167,11 +166,11 @@ def cost_report(rep: Report) -> None:
     rep.lines += markdown(
         ["point", "status", "error", "p_s", "tau_x", "tau_y", "tau_z", "epoch s",
          "epoch CPU s", f"{unit} h", "trained h"],
-        [[r["point"], r["status"], fmt(r.get("value")), fmt(r.get("error_p_s")),
+        [[r.point, r.status, fmt(r.value), fmt(r.get("error_p_s")),
           fmt(r.get("error_tau_x")), fmt(r.get("error_tau_y")), fmt(r.get("error_tau_z")),
           fmt(r.get("epoch_seconds"), ".3g"), fmt(r.get("epoch_cpu_seconds"), ".3g"),
           fmt(r.get("hours"), ".3g"), fmt(r.get("measured_hours"), ".3g")] for r in rep.rows])
-    estimates = sorted({r["estimate"] for r in rep.rows if r.get("estimate")})
+    estimates = sorted({r.extra["estimate"] for r in rep.rows if r.get("estimate")})
     if len(estimates) > 1:
         rep.lines += ["", f"Costs mix estimates ({'; '.join(estimates)}): compare with care."]
     if not configs:

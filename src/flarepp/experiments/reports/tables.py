@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from flarepp.experiments.reports import REPORTS, Report, aggregate, csv_text
+from flarepp.experiments.reports.common import Report, figure_module
+from flarepp.experiments.reports.rows import aggregate, csv_text
 from flarepp.io import atomic_write_text
 
 
@@ -24,7 +25,7 @@ def _summary(rep: Report, row_key: str, col_key: str) -> dict[tuple[Any, Any], d
     for g in aggregate(rep.rows, [row_key, col_key]):
         mean, std, n = g.stats()
         out[(g.key[row_key], g.key[col_key])] = {"mean": 100 * mean, "std": 100 * std, "n": n,
-                                                 "params": float(g.rows[0]["params"] or 0)}
+                                                 "params": float(g.rows[0].params or 0)}
     return out
 
 
@@ -59,9 +60,7 @@ def _outputs(rep: Report, table: str, wide: list[list[Any]], summary, rows: list
                      chart=out / "comparison.png")
     atomic_write_text(rep.paths["markdown_table"], table)
     atomic_write_text(rep.paths["table"], csv_text(wide))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figure_module()
     fig, axes = plt.subplots(1, len(columns), figsize=(4.0 * len(columns),
                                                        0.45 * len(rows) + 1.4), squeeze=False)
     for ax, c in zip(axes[0], columns):
@@ -93,21 +92,21 @@ def _wide(summary, rows: list[str], columns: list[str], first: list[str], label
     return wide
 
 
-@REPORTS.register("table1", doc="Table 1: models x datasets, test relative L2 in %")
 def table1_report(rep: Report) -> None:
+    """Table 1: models x datasets, test relative L2 in %."""
     from flarepp.experiments.comparison import COMPARISON_MODELS, TABLE1_ORDER
     from flarepp.mixers.abupt import AnchorAttentionConfig
     summary = _summary(rep, "model", "dataset")
     if not summary:
         return
-    names = {r["model"] for r in rep.rows}
+    names = {r.get("model") for r in rep.rows}
     models = [m for m in TABLE1_ORDER if m in names] + sorted(names - set(TABLE1_ORDER))
-    datasets = list(dict.fromkeys(r["dataset"] for r in rep.rows))
+    datasets = list(dict.fromkeys(r.get("dataset") for r in rep.rows))
 
     def label(m: str) -> str:
         return COMPARISON_MODELS.get(m).label if m in COMPARISON_MODELS else m
 
-    seeds = len({r["seed"] for r in rep.rows})
+    seeds = len({r.get("seed") for r in rep.rows})
     points = rep.study.info.get("n_points", {})
     rank = _ranks(summary, models, datasets, higher=False, eligible=lambda m: (
         m not in COMPARISON_MODELS or COMPARISON_MODELS.get(m).efficient))
@@ -117,7 +116,7 @@ def table1_report(rep: Report) -> None:
         cells = [_marked(_cell(summary.get((m, d)), seeds), rank.get((m, d))) for d in datasets]
         lines.append("| " + " | ".join([label(m)] + cells) + " |")
     spread = "a single seed" if seeds == 1 else f"mean ± sample std over {seeds} seeds"
-    scales = {r["model"]: r["sdpa_scale"] for r in rep.rows}
+    scales = {r.get("model"): r.get("sdpa_scale") for r in rep.rows}
     lines += ["", f"Test relative L2 error in %, {spread}; bold and underline: best and "
                   "second-best efficient model.",
               "SDPA scale each model ran with (sdpa_scale; config attn_scale): " + ", ".join(
@@ -138,15 +137,15 @@ def table1_report(rep: Report) -> None:
              datasets, label, "test relative L2 error (%)", {})
 
 
-@REPORTS.register("lra", doc="Table 12: mixers x LRA tasks, test accuracy in %, the average")
 def lra_report(rep: Report) -> None:
+    """Table 12: mixers x LRA tasks, test accuracy in %, the average."""
     summary = _summary(rep, "mixer", "task")
     if not summary:
         return
-    tasks = list(dict.fromkeys(r["task"] for r in rep.rows))
-    mixers = list(dict.fromkeys(r["mixer"] for r in rep.rows))
+    tasks = list(dict.fromkeys(r.get("task") for r in rep.rows))
+    mixers = list(dict.fromkeys(r.get("mixer") for r in rep.rows))
     facts = rep.study.info.get("tasks", {})
-    seeds = len({r["seed"] for r in rep.rows})
+    seeds = len({r.get("seed") for r in rep.rows})
     avg = {m: float(np.mean([summary[(m, t)]["mean"] for t in tasks])) for m in mixers
            if all((m, t) in summary for t in tasks)}
     summary.update({(m, "Avg"): {"mean": v, "std": math.nan, "n": seeds}

@@ -34,8 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from flarepp.experiments.engine import finite
-from flarepp.experiments.reports import (REPORTS, Report, aggregate, csv_text, fmt, markdown,
-                                         spread)
+from flarepp.experiments.reports.common import Report, figure_module, fmt, markdown, spread
+from flarepp.experiments.reports.rows import Row, aggregate, csv_text
 from flarepp.io import atomic_write_text
 
 NOT_SETTINGS = ("mixer", "model.mixer", "seed", "data_root")
@@ -52,44 +52,44 @@ def settings_of(rep: Report) -> list[str]:
     return [k for k in rep.label_keys if k not in NOT_SETTINGS]
 
 
-def mixers_in(rows: Sequence[dict[str, Any]]) -> list[str]:
+def mixers_in(rows: Sequence[Row]) -> list[str]:
     """The rows' mixers, :data:`MIXER_ORDER` first, then as first seen."""
-    seen = list(dict.fromkeys(r["mixer"] for r in rows))
+    seen = list(dict.fromkeys(r.get("mixer") for r in rows))
     return [m for m in MIXER_ORDER if m in seen] + [m for m in seen if m not in MIXER_ORDER]
 
 
-def _setting(row: dict[str, Any], settings: Sequence[str]) -> tuple:
+def _setting(row: Row, settings: Sequence[str]) -> tuple:
     return tuple(row.get(k) for k in settings)
 
 
-def _stats(rows: Sequence[dict[str, Any]], value: str) -> tuple[float, float, int]:
+def _stats(rows: Sequence[Row], value: str) -> tuple[float, float, int]:
     """``(mean, sample std, n)`` of ``value`` over the finished ``rows`` (one group)."""
     groups = aggregate(rows, [])
     return groups[0].stats(value) if groups else (math.nan, math.nan, 0)
 
 
-def _count(rows: Sequence[dict[str, Any]], setting: tuple, settings: Sequence[str],
+def _count(rows: Sequence[Row], setting: tuple, settings: Sequence[str],
            mixer: str | None = None) -> dict[str, int]:
     """Runs of ``setting`` (and ``mixer``): all, finished, failed, not fitted."""
     mine = [r for r in rows if _setting(r, settings) == setting
-            and (mixer is None or r["mixer"] == mixer)]
-    return {"runs": len(mine), "done": sum(r["status"] == "done" for r in mine),
-            "failed": sum(r["status"] == "failed" for r in mine),
-            "did_not_fit": sum(r.get("did_not_fit") is True for r in mine)}
+            and (mixer is None or r.get("mixer") == mixer)]
+    return {"runs": len(mine), "done": sum(r.status == "done" for r in mine),
+            "failed": sum(r.status == "failed" for r in mine),
+            "did_not_fit": sum(r.did_not_fit is True for r in mine)}
 
 
 # ---------------------------------------------------------------------------------------------
 # selection
 
 
-def choose_setting(rows: Sequence[dict[str, Any]], settings: Sequence[str],
+def choose_setting(rows: Sequence[Row], settings: Sequence[str],
                    value: str = "val_value") -> dict[str, Any]:
     """The setting with the best mean over mixers of each mixer's mean ``value`` (over seeds
     and draws), among the settings whose every run finished with a finite ``value`` for
     every mixer. ``{"chosen": setting or None, "scores": {setting: mean over mixers or
     NaN}, "cells": {(setting, mixer): (mean, std, n)}, "why_not": {setting: reason}}``."""
     mixers = mixers_in(rows)
-    lower = all(r["lower_is_better"] for r in rows)
+    lower = all(r.lower_is_better for r in rows)
     cells = {(tuple(g.key[k] for k in settings), g.key["mixer"]): g.stats(value)
              for g in aggregate(rows, [*settings, "mixer"])}
     scores, why_not = {}, {}
@@ -109,7 +109,7 @@ def choose_setting(rows: Sequence[dict[str, Any]], settings: Sequence[str],
     eligible = {s: v for s, v in scores.items() if s not in why_not and math.isfinite(v)}
     best = (min if lower else max)(eligible, key=eligible.get) if eligible else None
     # A study still running chooses nothing: a setting not yet trained could win.
-    pending = sum(1 for r in rows if r.get("status") == "pending")
+    pending = sum(1 for r in rows if r.status == "pending")
     return {"chosen": None if pending else best, "best_so_far": best, "pending": pending,
             "scores": scores, "cells": cells, "why_not": why_not, "mixers": mixers}
 
@@ -118,19 +118,18 @@ def _describe(setting: tuple, settings: Sequence[str]) -> str:
     return ", ".join(f"`{k}` = {v}" for k, v in zip(settings, setting)) or "the one setting"
 
 
-@REPORTS.register("selection", doc="a setting chosen on the validation split: the mean over "
-                                   "mixers of each mixer's mean over seeds and draws")
 def selection_report(rep: Report) -> None:
+    """A setting chosen on the validation split (module docstring)."""
     settings = settings_of(rep)
     rows = rep.rows
     if not settings or len({_setting(r, settings) for r in rows}) < 2:
         return
     metric = rep.metric_name()
     rep.lines += ["", "## A setting chosen on validation", ""]
-    if not any(r["status"] == "done" for r in rows):
+    if not any(r.status == "done" for r in rows):
         rep.lines += [f"No choice yet: none of the {len(rows)} runs has finished."]
         return
-    if not any(finite(r.get("val_value")) for r in rows):
+    if not any(finite(r.val_value) for r in rows):
         rep.lines += [f"No choice: no run has a validation metric (`val_{metric}`), and the "
                       "test metric is never used to choose. Sweep with `--set val_fraction=F` "
                       "to hold a share F of the training data out for validation."]
@@ -142,7 +141,7 @@ def selection_report(rep: Report) -> None:
     for setting in result["scores"]:
         for mixer in mixers:
             val = result["cells"].get((setting, mixer), (math.nan, math.nan, 0))
-            test = _stats([r for r in rows if r["mixer"] == mixer
+            test = _stats([r for r in rows if r.get("mixer") == mixer
                            and _setting(r, settings) == setting], "value")
             count = _count(rows, setting, settings, mixer)
             mark = "**chosen**" if setting == chosen else ""
@@ -184,13 +183,13 @@ def selection_report(rep: Report) -> None:
 # paired differences
 
 
-def paired_differences(rows: Sequence[dict[str, Any]], a: str, b: str,
+def paired_differences(rows: Sequence[Row], a: str, b: str,
                        value: str = "value") -> np.ndarray:
     """``value(b) - value(a)`` of the finished runs of mixers ``b`` and ``a`` that share a
     seed and a data draw, in the order of ``b``'s runs."""
     def by_pair(mixer: str) -> dict[tuple, float]:
-        return {(r.get("seed"), r.get("data_root")): r[value] for r in rows
-                if r["mixer"] == mixer and r["status"] == "done" and finite(r.get(value))}
+        return {(r.get("seed"), r.get("data_root")): r.get(value) for r in rows
+                if r.get("mixer") == mixer and r.status == "done" and finite(r.get(value))}
     first, second = by_pair(a), by_pair(b)
     return np.asarray([v - first[k] for k, v in second.items() if k in first], float)
 
@@ -217,9 +216,8 @@ def verdict(stats: dict[str, float], a: str, b: str, lower_is_better: bool = Tru
     return f"{b} {'better' if better else 'worse'} than {a} at 95%"
 
 
-@REPORTS.register("paired", doc="per mixer mean ± std; paired differences of mixers over "
-                                "(seed, data draw) with a 95% t interval")
 def paired_report(rep: Report) -> None:
+    """Per mixer mean ± std; paired differences of mixers (module docstring)."""
     settings = settings_of(rep)
     rows = rep.rows
     groups = {}
@@ -235,7 +233,7 @@ def paired_report(rep: Report) -> None:
     if not comparisons:
         return
     metric = rep.metric_name()
-    lower = all(r["lower_is_better"] for r in rows)
+    lower = all(r.lower_is_better for r in rows)
     draws = len({r.get("data_root") for r in rows})
     seeds = len({r.get("seed") for r in rows})
     rep.lines += ["", "## Mixers compared, paired by seed and data draw", "",
@@ -247,7 +245,7 @@ def paired_report(rep: Report) -> None:
     body = []
     for setting, mine in groups.items():
         for mixer in mixers_in(mine):
-            runs = [r for r in mine if r["mixer"] == mixer]
+            runs = [r for r in mine if r.get("mixer") == mixer]
             test, train = _stats(runs, "value"), _stats(runs, "train_value")
             count = _count(mine, setting, settings, mixer)
             body.append([*setting, mixer, f"{count['done']}/{count['runs']}",
@@ -256,8 +254,8 @@ def paired_report(rep: Report) -> None:
     rep.lines += markdown([*settings, "mixer", "finished", "test", "train", "did not fit",
                            "failed"], body)
     for what, names in (("did not fit their training data", [
-            r["point"] for r in rows if r.get("did_not_fit") is True]),
-                        ("failed", [r["point"] for r in rows if r["status"] == "failed"])):
+            r.point for r in rows if r.did_not_fit is True]),
+                        ("failed", [r.point for r in rows if r.status == "failed"])):
         if names:
             rep.lines += ["", f"{len(names)} of {len(rows)} runs {what}: {', '.join(names)}."]
     rep.lines += ["", f"Paired differences `{metric}`(B) - `{metric}`(A) over the (seed, "
@@ -294,34 +292,32 @@ LENGTH = "epochs"
 """The grid axis the ``length`` plug-in plots against."""
 
 
-@REPORTS.register("length", doc="the metric against training length (an epochs axis): per "
-                                "mixer, mean ± std over seeds and draws, raw and EMA")
 def length_report(rep: Report) -> None:
+    """The metric against training length (module docstring)."""
     if LENGTH not in rep.label_keys:
         return
     done = rep.done
-    lengths = sorted({int(r[LENGTH]) for r in done if finite(r.get(LENGTH))})
+    lengths = sorted({int(r.get(LENGTH)) for r in done if finite(r.get(LENGTH))})
     if len(lengths) < 2:
         return
     panel_keys = [k for k in settings_of(rep) if k != LENGTH]
-    panels: dict[tuple, list[dict[str, Any]]] = {}
+    panels: dict[tuple, list[Row]] = {}
     for r in rep.rows:
         panels.setdefault(_setting(r, panel_keys), []).append(r)
-    both = any(finite(r.get("value_raw")) and finite(r.get("value_ema")) for r in done)
+    both = any(finite(r.value_raw) and finite(r.value_ema) for r in done)
     curves = [("value_raw", "raw", "-"), ("value_ema", "EMA", "--")] if both else \
         [("value", "", "-")]
     metric = rep.metric_name()
     body, table = [], [[*panel_keys, "mixer", LENGTH, "runs", "finished", "test_mean",
                         "test_std", "raw_mean", "raw_std", "ema_mean", "ema_std",
                         "did_not_fit", "failed"]]
-    from flarepp.experiments.reports import _figure
-    plt = _figure()
+    plt = figure_module()
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False,
                              sharey=True)
     for ax, (panel, mine) in zip(axes[0], panels.items()):
         names = mixers_in(mine)
         for i, mixer in enumerate(names):
-            runs = [r for r in mine if r["mixer"] == mixer]
+            runs = [r for r in mine if r.get("mixer") == mixer]
             nudge = 2 ** (0.04 * (i - (len(names) - 1) / 2))  # error bars side by side
             for field_, what, style in curves:
                 pts = [(n, *_stats([r for r in runs if r.get(LENGTH) == n], field_))
@@ -336,8 +332,8 @@ def length_report(rep: Report) -> None:
             for n in lengths:
                 at = [r for r in runs if r.get(LENGTH) == n]
                 test, raw, ema = (_stats(at, f) for f in ("value", "value_raw", "value_ema"))
-                failed = sum(r["status"] == "failed" for r in at)
-                unfit = sum(r.get("did_not_fit") is True for r in at)
+                failed = sum(r.status == "failed" for r in at)
+                unfit = sum(r.did_not_fit is True for r in at)
                 body.append([*panel, mixer, n, f"{test[2]}/{len(at)}", spread(*test[:2]),
                              spread(*raw[:2]), spread(*ema[:2]), unfit, failed])
                 table.append([*panel, mixer, n, len(at), test[2], test[0], test[1], raw[0],
