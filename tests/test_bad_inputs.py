@@ -488,3 +488,176 @@ def test_a_relative_split_file_is_never_taken_from_the_working_directory(tmp_pat
     assert f"'split.json' is missing from the data directory {str(root)!r}" in str(err.value)
     (root / "split.json").write_text(split.read_text())
     assert load_dataset("drivaerml", root, split_file="split.json").cars("train") == ["run_3"]
+
+
+# =============================================================================================
+# issue 34: memory-mapped state on a full disk, the config version, generate's limits,
+# temperature and bytes, object and empty .npz data
+
+def _full_filesystem(tmp_path: Path, size: str = "64k") -> Path:
+    """A tmpfs of ``size`` mounted at ``tmp_path/full`` (a real full file system; root in a
+    sandbox may mount one). Skips where mounting is refused: the RLIMIT_FSIZE case of the
+    same test still runs. Unmount with :func:`_unmount`."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                               str(folder)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a tmpfs here ({err})")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+    return folder
+
+
+def _unmount(folder: Path) -> None:
+    subprocess.run(["umount", str(folder)], check=True, timeout=30)
+
+
+def _infer_child(checkpoint: Path, data: Path, out: Path, memmap_dir: Path, chunk: int,
+                 fsize: int | None = None) -> subprocess.Popen:
+    """`flarepp infer --chunk-size CHUNK --hidden-on memmap --memmap-dir DIR` in a child,
+    under a file-size limit of ``fsize`` bytes when given."""
+    limit = "" if fsize is None else (f"import resource; resource.setrlimit("
+                                      f"resource.RLIMIT_FSIZE, ({fsize}, {fsize}))")
+    return _python(f"""
+        import sys
+        {limit}
+        from flarepp.cli import main
+        sys.exit(main(["infer", {str(checkpoint)!r}, "--data", {str(data)!r}, "--out",
+                       {str(out)!r}, "--chunk-size", "{chunk}", "--hidden-on", "memmap",
+                       "--memmap-dir", {str(memmap_dir)!r}, "--device", "cpu"]))
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["tmpfs", "RLIMIT_FSIZE"])
+def test_memmap_hidden_state_on_a_full_disk_is_a_sentence(darcy_run, tmp_path, how):
+    """`infer --hidden-on memmap --memmap-dir DIR` with DIR on a full file system died of
+    SIGBUS (exit 135, no message) at the first page of its sparse state file that could not
+    be stored, and left `flarepp-hidden-*/hidden.bin` behind. Now the file's space is
+    reserved first: exit 1 naming DIR, the bytes needed and the bytes free (or the
+    file-size limit), and nothing left in DIR. `tmpfs`: a real 64 KiB file system;
+    `RLIMIT_FSIZE`: the kernel's file-size limit, which refuses the reservation alike."""
+    _, _, checkpoint = darcy_run
+    data = tmp_path / "mesh.npz"
+    np.savez(data, x=np.random.default_rng(0).random((1, 100_000, 3), dtype=np.float32))
+    need = 100_000 * 8 * 4                                # h [1, N, C=8] in float32
+    folder = _full_filesystem(tmp_path) if how == "tmpfs" else tmp_path / "scratch"
+    folder.mkdir(exist_ok=True)
+    try:
+        proc = _infer_child(checkpoint, data, tmp_path / "pred.npz", folder, 1000,
+                            fsize=None if how == "tmpfs" else 65536)
+        _, err = proc.communicate(timeout=300)
+        left = os.listdir(folder)
+    finally:
+        if how == "tmpfs":
+            _unmount(folder)
+    err = err.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert (f"flarepp infer: error: {folder}: no room for the hidden state [1, 100000, 8] "
+            f"float32 as a memory-mapped file: it needs {need:,} bytes") in err
+    assert ("its file system has 65,536 bytes (0.1 MiB) free" if how == "tmpfs" else
+            "the file-size limit (ulimit -f) refuses a file that large") in err
+    assert left == [] and not (tmp_path / "pred.npz").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_memmap_inference_leaves_no_state_file(darcy_run, tmp_path, sig):
+    """The memory-mapped hidden state was a file in `flarepp-hidden-*/` removed only when
+    `infer` ended by itself: SIGKILL (and SIGBUS) left it, gigabytes on a real mesh. Now the
+    file is deleted as soon as it is mapped, so a kill while the state is in use, SIGKILL
+    included, leaves nothing (the kernel frees the space with the mapping)."""
+    _, _, checkpoint = darcy_run
+    data = tmp_path / "mesh.npz"
+    np.savez(data, x=np.random.default_rng(0).random((1, 300_000, 3), dtype=np.float32))
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    proc = _infer_child(checkpoint, data, tmp_path / "pred.npz", folder, 200)
+    seen = b""
+    try:
+        while b"hidden state: memmap" not in seen:   # the progress bar, once h is allocated
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, f"infer ended before its state was allocated: {seen.decode()}"
+            seen += chunk
+        proc.send_signal(sig)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143)
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("fallocate", ["unsupported", "absent"])
+def test_memmap_state_without_fallocate_checks_the_free_space(tmp_path, monkeypatch,
+                                                              fallocate):
+    """Where the file system (EOPNOTSUPP) or the platform (macOS: no os.posix_fallocate)
+    offers no fallocate, the free space is compared with the state's size before the file
+    is extended: too little is the same sentence, enough gives a mapped array of the asked
+    size, already deleted from the directory."""
+    import errno
+
+    import flarepp.distributed.streaming as streaming
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    if fallocate == "absent":
+        monkeypatch.delattr(os, "posix_fallocate")
+    else:
+        monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    free = 10_000
+    monkeypatch.setattr(streaming.shutil, "disk_usage",
+                        lambda path: type("usage", (), {"free": free})())
+    with pytest.raises(OSError) as err:
+        streaming.memmap_scratch(tmp_path, 20_000, "the hidden state")
+    assert str(err.value) == (f"[Errno 28] no room for the hidden state as a memory-mapped "
+                              f"file: it needs 20,000 bytes (0.0 MiB) and its file system "
+                              f"has 10,000 bytes (0.0 MiB) free; free space there or give "
+                              f"another directory (--memmap-dir): '{tmp_path}'")
+    assert os.listdir(tmp_path) == []
+    free = 1 << 40
+    array = streaming.memmap_scratch(tmp_path, 20_000, "the hidden state")
+    array[:] = 7
+    assert array.shape == (20_000,) and int(array.sum()) == 140_000
+    assert os.listdir(tmp_path) == []
+
+
+def test_memmap_state_over_a_disk_quota_is_a_sentence(tmp_path, monkeypatch):
+    """A quota (EDQUOT from fallocate) is named as such, with the directory and the bytes
+    needed, and leaves no file."""
+    import errno
+
+    from flarepp.distributed.streaming import memmap_scratch
+
+    def over_quota(fd, offset, length):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(os, "posix_fallocate", over_quota)
+    with pytest.raises(OSError, match=r"no room for the hidden state as a memory-mapped "
+                                      r"file: it needs 4,096 bytes \(0.0 MiB\) and a disk "
+                                      r"quota refuses it") as err:
+        memmap_scratch(tmp_path, 4096, "the hidden state")
+    assert err.value.filename == str(tmp_path) and os.listdir(tmp_path) == []
+
+
+def test_memmap_scratch_left_by_a_dead_process_is_removed(tmp_path):
+    """A SIGKILL between the state file's creation and its mapping (while its space is
+    reserved) can leave `flarepp-hidden-<host>-<pid>-*.bin`. The next memory-mapped state
+    in that directory removes such files of this host whose process is gone, and keeps a
+    running process's and another host's (which cannot be told from here)."""
+    import socket
+
+    from flarepp.distributed.streaming import memmap_scratch
+    host, gone = socket.gethostname(), 4_194_305       # above the kernel's largest pid
+    names = [f"flarepp-hidden-{host}-{gone}-abc_1.bin", f"flarepp-hidden-{host}-"
+             f"{os.getpid()}-def2.bin", f"flarepp-hidden-elsewhere-{gone}-ghi3.bin",
+             "unrelated.bin"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    memmap_scratch(tmp_path, 16, "a test array")
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+

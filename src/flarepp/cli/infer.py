@@ -208,7 +208,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "auto takes the first that holds it in half the free memory")
     p.add_argument("--memmap-dir", metavar="DIR",
                    help="directory for the memory-mapped hidden state (default the system's "
-                        "temporary directory); the file is removed afterwards")
+                        "temporary directory); its space is reserved first and the file is "
+                        "deleted once mapped")
     p.add_argument("--context-parallel", action="store_true",
                    help="split every mesh's points over the ranks of a torchrun launch")
     p.add_argument("--batch-size", type=at_least(1), default=1, help="samples per forward")
