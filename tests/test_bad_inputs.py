@@ -417,14 +417,14 @@ def test_vtp_cache_sees_an_edit_that_kept_size_and_time(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # generate: streamed, bounded, stopped cleanly
 
-def _lm_checkpoint(path: Path, mixer: str) -> Path:
+def _lm_checkpoint(path: Path, mixer: str, **config) -> Path:
     """An untrained byte-level causal LM of ``mixer`` saved as a run's checkpoint (what
-    generation needs is the format, not good text)."""
+    generation needs is the format, not good text); ``config`` replaces run-config keys."""
     from flarepp.models import build_model
     from flarepp.train import get_preset
     model = build_model("causal-lm", mixer=mixer, dim=16, heads=2, blocks=1, latents=4)
     weights = model.state_dict()
-    save_checkpoint(path, {"config": get_preset("lm-tiny").to_dict(),
+    save_checkpoint(path, {"config": {**get_preset("lm-tiny").to_dict(), **config},
                            "model_config": model.config.to_dict(), "model": weights,
                            "ema": weights, "epoch": 1, "normalizers": {}})
     return path
@@ -659,5 +659,92 @@ def test_memmap_scratch_left_by_a_dead_process_is_removed(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     memmap_scratch(tmp_path, 16, "a test array")
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+@pytest.mark.parametrize("version, named", [
+    (99, "key 'config_version': written by a newer flarepp (version 99 > {v}, the newest "
+         "this flarepp reads); upgrade flarepp to use it"),
+    ("next", "key 'config_version': written by a newer flarepp (version {n} > {v}"),
+    (0, "key 'config_version' must be an integer >= 1 (the config format version flarepp "
+        "writes, {v} today), got 0"),
+    (-1, "key 'config_version' must be an integer >= 1 (the config format version flarepp "
+         "writes, {v} today), got -1"),
+    ("x", "key 'config_version' must be an integer >= 1 (the config format version "
+          "flarepp writes, {v} today), got 'x'"),
+    (True, "must be an integer >= 1 (the config format version flarepp writes, {v} today), "
+           "got True"),
+    (4.0, "must be an integer >= 1 (the config format version flarepp writes, {v} today), "
+          "got 4.0"),
+])
+def test_config_versions_no_flarepp_wrote_or_a_newer_one_wrote_are_refused(version, named):
+    """`config_version` was never checked: 99, 0 and -1 were read with today's meaning (a
+    newer flarepp's config trained as if this one had written it) and "x" was a TypeError
+    in `from_stored`. Both readers now refuse them, naming the key; a config without a
+    version (stored before versions existed) still reads with the legacy protocol."""
+    from flarepp.storage.config import CONFIG_VERSION, LEGACY_PROTOCOL, VERSION_KEY, RunConfig
+    from flarepp.train import get_preset
+    stored = get_preset("darcy-tiny").to_file()
+    stored[VERSION_KEY] = CONFIG_VERSION + 1 if version == "next" else version
+    named = named.format(v=CONFIG_VERSION, n=CONFIG_VERSION + 1)
+    for read in (RunConfig.from_stored, RunConfig.from_dict):
+        with pytest.raises(ValueError) as err:
+            read(stored)
+        assert str(err.value) == named or named in str(err.value)
+    stored[VERSION_KEY] = CONFIG_VERSION
+    assert RunConfig.from_stored(stored) == RunConfig.from_dict(stored) == \
+        get_preset("darcy-tiny")
+    del stored[VERSION_KEY]
+    stored["protocol"] = {k: v for k, v in stored["protocol"].items()
+                          if k not in LEGACY_PROTOCOL}
+    legacy = RunConfig.from_stored(stored)
+    assert {k: getattr(legacy, k) for k in LEGACY_PROTOCOL} == LEGACY_PROTOCOL
+
+
+def test_a_newer_config_version_names_the_file(tmp_path, capsys):
+    """Each command that reads a stored config names the file: `train --config FILE`
+    (a user's file and a run directory's own, exit 2), and `generate`, `eval` and `infer`
+    of a checkpoint whose run config is a newer flarepp's (exit 1, like any checkpoint this
+    flarepp cannot read)."""
+    from flarepp.storage.config import CONFIG_VERSION, VERSION_KEY
+    from flarepp.train import get_preset
+    newer = f"written by a newer flarepp (version 99 > {CONFIG_VERSION}"
+    config = get_preset("darcy-tiny").to_file()
+    config[VERSION_KEY] = 99
+    for folder in (tmp_path / "mine", tmp_path / "run"):
+        (folder / "checkpoints").mkdir(parents=True) if folder.name == "run" else \
+            folder.mkdir()
+        path = folder / "config.json"
+        path.write_text(json.dumps(config))
+        assert cli(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert f"flarepp train: error: --config {str(path)!r}: key 'config_version': " \
+               f"{newer}" in err
+    checkpoint = _lm_checkpoint(tmp_path / "lm.pt", "flare-causal", config_version=99)
+    for argv in (["generate"], ["eval", "--data", str(tmp_path)],
+                 ["infer", "--data", str(tmp_path), "--out", str(tmp_path / "out.npz")]):
+        assert cli([*argv, str(checkpoint), "--device", "cpu"]) == 1
+        err = capsys.readouterr().err
+        assert (f"flarepp {argv[0]}: error: checkpoint {str(checkpoint)!r}: its run config's "
+                f"key 'config_version': {newer}") in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.npz").exists()
+
+
+@pytest.mark.slow
+def test_resume_from_a_newer_flarepps_checkpoint_names_it(darcy_run, tmp_path, capsys):
+    """`train --resume` read a checkpoint whose run config a newer flarepp wrote as if this
+    one had: now no checkpoint reads, and the sentence names the file and the version."""
+    import shutil
+    data, run, _ = darcy_run
+    shutil.copytree(run, tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "epoch_0002.pt"
+    state = torch.load(checkpoint, weights_only=True)
+    state["config"]["config_version"] = 99
+    torch.save(state, checkpoint)
+    assert cli(["train", "--config", str(tmp_path / "run" / "config.json"), "--out",
+                str(tmp_path / "run"), "--resume", "--data", str(data)]) == 1
+    err = capsys.readouterr().err
+    assert (f"flarepp train: error: --resume: no checkpoint reads: checkpoint "
+            f"{str(checkpoint)!r}: its run config's key 'config_version': written by a newer "
+            f"flarepp (version 99 > ") in err
 
 
