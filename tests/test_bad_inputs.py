@@ -10,6 +10,7 @@ usage error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
@@ -463,15 +464,16 @@ def test_generate_streams_and_stops_cleanly_on_a_signal(tmp_path, sig, code, nam
 def test_generate_refuses_a_kv_cache_beyond_memory(tmp_path, capsys):
     """With causal attention, `--max-new-tokens 1000000000000` reserved a KV cache for
     every token up front (64 TB asked of the allocator); now a usage error saying how much
-    it needs, how much is free and how many tokens fit. Causal FLARE's state has a fixed
-    size, so only time bounds its request."""
+    it needs, how much may still be allocated (and under which bound) and how many tokens
+    fit. Causal FLARE's state has a fixed size, so only time bounds its request."""
     checkpoint = _lm_checkpoint(tmp_path / "attention.pt", "attention-causal")
     code = cli(["generate", str(checkpoint), "--max-new-tokens", str(10 ** 12), "--device",
                 "cpu"])
     err = capsys.readouterr().err
     assert code == 2
     assert "--max-new-tokens 1000000000000: attention-causal's KV cache" in err
-    assert "GiB free on cpu; at most" in err and "new tokens fit" in err
+    assert "GiB free memory" in err and "leaves on cpu; at most" in err
+    assert "new tokens fit" in err
 
 
 def test_a_relative_split_file_is_never_taken_from_the_working_directory(tmp_path):
@@ -746,5 +748,198 @@ def test_resume_from_a_newer_flarepps_checkpoint_names_it(darcy_run, tmp_path, c
     assert (f"flarepp train: error: --resume: no checkpoint reads: checkpoint "
             f"{str(checkpoint)!r}: its run config's key 'config_version': written by a newer "
             f"flarepp (version 99 > ") in err
+
+
+def test_sampling_probabilities_match_an_explicit_softmax():
+    """`generate --temperature 5e-324` passed "finite and >= 0", then logits / 5e-324
+    overflowed to inf and torch.multinomial raised on NaN probabilities. Sampling now
+    shifts the logits by their maximum first: at ordinary temperatures the probabilities
+    are softmax(logits / T) in float64 (the explicit reference), at any T too small for
+    logits / T to be finite the most likely byte has probability 1 (the limit, greedy), and
+    at a huge T the top-k bytes are equally likely."""
+    from flarepp.models.causal_lm import _sample, sampling_probabilities
+    g = torch.Generator().manual_seed(0)
+    logits = 10 * torch.randn(3, 256, generator=g)
+    for top_k in (None, 5):
+        keep = torch.ones_like(logits, dtype=torch.bool) if top_k is None else \
+            logits >= logits.topk(top_k, dim=-1).values[:, -1:]
+        for t in (0.3, 1.0, 2.5):
+            scaled = torch.where(keep, logits.double() / t, -math.inf)
+            want = scaled.exp() / scaled.exp().sum(-1, keepdim=True)
+            got = sampling_probabilities(logits, t, top_k)
+            assert got.dtype == torch.float64
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+        for t in (5e-324, 1e-300, 1e-38):
+            assert torch.isinf(logits / t).any() or t == 1e-38
+            greedy = torch.nn.functional.one_hot(logits.argmax(-1), 256).double()
+            assert torch.equal(sampling_probabilities(logits, t, top_k), greedy)
+            assert torch.equal(_sample(logits, t, top_k, g), logits.argmax(-1))
+        uniform = keep.double() / keep.sum(-1, keepdim=True)
+        torch.testing.assert_close(sampling_probabilities(logits, 1e308, top_k), uniform)
+
+
+def _sampled_bytes(checkpoint: Path, prompt: bytes, n: int, temperature: float) -> bytes:
+    """The library's own continuation of ``prompt`` (what `generate` must write)."""
+    from flarepp.models.causal_lm import generate
+    from flarepp.storage.checkpoint import load_causal_lm
+    model = load_causal_lm(checkpoint, device=torch.device("cpu"))
+    ids = generate(model, torch.tensor([list(prompt)]), n, temperature=temperature,
+                   generator=torch.Generator().manual_seed(0))
+    return bytes(ids[0].tolist())
+
+
+def test_generate_writes_the_sampled_bytes_themselves(tmp_path, capsysbinary):
+    """`generate` wrote a UTF-8 decoding of the sampled bytes with errors replaced (29,866 of
+    72,312 bytes became U+FFFD) while stderr said "all written". Now stdout is the prompt
+    and the sampled bytes exactly, then a newline. An untrained byte model samples
+    invalid UTF-8 on almost every step, so the comparison sees any decoding."""
+    checkpoint = _lm_checkpoint(tmp_path / "lm.pt", "flare-causal")
+    assert cli(["generate", str(checkpoint), "--prompt", "héllo", "--max-new-tokens", "300",
+                "--device", "cpu"]) == 0
+    out = capsysbinary.readouterr().out
+    want = _sampled_bytes(checkpoint, "héllo".encode(), 300, 0.8)
+    assert out == want + b"\n"
+    with pytest.raises(UnicodeDecodeError):
+        want.decode("utf-8")
+
+
+def test_generate_with_a_tiny_temperature_is_greedy(tmp_path, capsysbinary):
+    """`generate --temperature 5e-324` ended in a RuntimeError traceback ("probability
+    tensor contains either inf, nan or element < 0"); now it writes what --temperature 0
+    (greedy) writes."""
+    checkpoint = _lm_checkpoint(tmp_path / "lm.pt", "flare-causal")
+    outputs = []
+    for t in ("5e-324", "0"):
+        assert cli(["generate", str(checkpoint), "--max-new-tokens", "40", "--temperature",
+                    t, "--device", "cpu"]) == 0
+        outputs.append(capsysbinary.readouterr().out)
+    assert outputs[0] == outputs[1] == _sampled_bytes(checkpoint, b"def ", 40, 0) + b"\n"
+
+
+@pytest.mark.slow
+def test_generate_with_an_ascii_stdout_writes_its_bytes(tmp_path):
+    """With `PYTHONIOENCODING=ascii`, `generate` exited 2 with "'ascii' codec can't encode
+    character '\\ufffd'"; the bytes themselves need no encoding: exit 0, every byte."""
+    checkpoint = _lm_checkpoint(tmp_path / "lm.pt", "flare-causal")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "ascii"}
+    proc = subprocess.run([sys.executable, "-m", "flarepp", "generate", str(checkpoint),
+                           "--max-new-tokens", "200", "--device", "cpu"],
+                          capture_output=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == _sampled_bytes(checkpoint, b"def ", 200, 0.8) + b"\n"
+    assert max(proc.stdout) >= 128
+
+
+def _generate_under_a_limit(tmp_path: Path, limit: str, cap: int, then: str = ""
+                            ) -> tuple[int, str]:
+    """Exit status and stderr of `generate` asking causal attention for 10^8 new tokens
+    (a 12 GiB KV cache) in a child under ``resource.<limit>`` of ``cap`` bytes; ``then``
+    runs after the limit is set."""
+    checkpoint = _lm_checkpoint(tmp_path / "attention.pt", "attention-causal")
+    proc = _python(f"""
+        import resource, sys
+        resource.setrlimit(resource.{limit}, ({cap}, {cap}))
+        {then}
+        from flarepp.cli import main
+        sys.exit(main(["generate", {str(checkpoint)!r}, "--max-new-tokens", "100000000",
+                       "--device", "cpu"]))
+    """)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit, named", [("RLIMIT_AS", "the address-space limit"),
+                                          ("RLIMIT_DATA", "the data limit")])
+def test_generate_reads_the_process_memory_limits(tmp_path, limit, named):
+    """Under an address-space (or data) limit, causal attention's KV cache check read free
+    memory only: a cache that fit `MemAvailable` but not the limit ended in the allocator's
+    RuntimeError traceback. Now the tightest bound is named with how many tokens fit."""
+    cap = 3 * 2**30
+    code, err = _generate_under_a_limit(tmp_path, limit, cap)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert (f"attention-causal's KV cache for 100000004 tokens needs 12.0 GiB, more than "
+            f"the") in err
+    assert f"GiB {named} ({limit} {cap}) leaves on cpu; at most " in err
+    fits = int(err.split("at most ")[1].split()[0])
+    assert 0 < fits * 129 < cap                           # 129 bytes per token here
+
+
+@pytest.mark.slow
+def test_generate_turns_a_failed_allocation_into_a_sentence(tmp_path):
+    """Should the decoding state still not fit (other allocations than the cache), the
+    allocator's RuntimeError was a traceback; now it is an out-of-memory sentence naming the
+    tokens and the device. (Here the bounds are made to report plenty under a real
+    address-space limit, so the allocation itself fails.)"""
+    code, err = _generate_under_a_limit(tmp_path, "RLIMIT_AS", 3 * 2**30, then=(
+        "import flarepp.device; "
+        "flarepp.device.memory_bounds = lambda device: {'plenty': 2**50}"))
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert ("flarepp generate: error: out of memory: the decoding state for 100000004 "
+            "tokens could not be allocated on cpu") in err
+
+
+def _cgroup_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_cgroup_memory_limits_are_read_up_the_hierarchy(tmp_path):
+    """The tightest cgroup limit on the process, v2 and v1, is its limit less its usage net
+    of inactive file pages, taken over its cgroup and every ancestor (a parent's limit bounds
+    the child); an unlimited cgroup (v2 `max`, v1's LONG_MAX) bounds nothing."""
+    from flarepp.device import cgroup_memory_bound
+    gib = 2**30
+    v2 = _cgroup_tree(tmp_path / "v2", {
+        "user.slice/memory.max": f"{4 * gib}\n", "user.slice/memory.current": f"{3 * gib}\n",
+        "user.slice/memory.stat": f"anon 1\ninactive_file {gib // 2}\n",
+        "user.slice/job/memory.max": "max\n", "user.slice/job/memory.current": "5\n"})
+    assert cgroup_memory_bound(v2, "0::/user.slice/job\n") == (
+        f"the cgroup memory limit ({v2 / 'user.slice' / 'memory.max'})", gib + gib // 2)
+    _cgroup_tree(v2, {"user.slice/job/memory.max": f"{gib}\n",
+                      "user.slice/job/memory.current": f"{gib // 4}\n"})
+    assert cgroup_memory_bound(v2, "0::/user.slice/job\n")[1] == 3 * gib // 4
+    v1 = _cgroup_tree(tmp_path / "v1", {
+        "memory/docker/abc/memory.limit_in_bytes": f"{2 * gib}\n",
+        "memory/docker/abc/memory.usage_in_bytes": f"{3 * gib // 2}\n",
+        "memory/docker/abc/memory.stat": f"inactive_file 1\ntotal_inactive_file {gib // 2}\n",
+        "memory/docker/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/docker/memory.usage_in_bytes": "7\n"})
+    membership = "9:name=systemd:/\n4:memory:/docker/abc\n0::/\n"
+    assert cgroup_memory_bound(v1, membership) == (
+        f"the cgroup memory limit ({v1 / 'memory/docker/abc/memory.limit_in_bytes'})", gib)
+    assert cgroup_memory_bound(tmp_path / "v1" / "memory", "4:cpu:/x\n") is None
+    _cgroup_tree(v1, {"memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n"})
+    assert cgroup_memory_bound(v1, membership) is None
+
+
+def test_generate_names_a_cgroup_limit_and_the_tokens_that_fit(tmp_path, capsys,
+                                                              monkeypatch):
+    """A cgroup limit below the free memory bounded nothing: the KV cache check read
+    `MemAvailable` only. Here /proc and the cgroup mount are fake files (a 512 MiB limit
+    with 256 MiB used, 64 GiB free): refused naming the limit file and exactly how many
+    tokens fit in what it leaves."""
+    import flarepp.device as device
+    gib = 2**30
+    proc = _cgroup_tree(tmp_path / "proc", {
+        "meminfo": f"MemTotal: {128 * gib // 1024} kB\nMemAvailable: {64 * gib // 1024} kB\n",
+        "self/status": "VmSize: 1000 kB\n", "self/cgroup": "0::/job\n"})
+    cgroups = _cgroup_tree(tmp_path / "cgroup", {"job/memory.max": f"{gib // 2}\n",
+                                                 "job/memory.current": f"{gib // 4}\n"})
+    real = device.memory_bounds
+    monkeypatch.setattr(device, "memory_bounds", lambda d: real(d, cgroup_root=cgroups,
+                                                                proc=proc))
+    checkpoint = _lm_checkpoint(tmp_path / "attention.pt", "attention-causal")
+    code = cli(["generate", str(checkpoint), "--prompt", "hi", "--max-new-tokens",
+                str(10**8), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert (f"more than the 0.2 GiB the cgroup memory limit ({cgroups / 'job' / 'memory.max'})"
+            f" leaves on cpu; at most {gib // 4 // 129 - 2} new tokens fit") in err
 
 
