@@ -943,3 +943,64 @@ def test_generate_names_a_cgroup_limit_and_the_tokens_that_fit(tmp_path, capsys,
             f" leaves on cpu; at most {gib // 4 // 129 - 2} new tokens fit") in err
 
 
+class _CreatesAFile:
+    """An object whose unpickling creates ``target`` (what a crafted object array does)."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (str(self.target), "w"))
+
+
+def _npz_without_data(tmp_path: Path, case: str) -> tuple[Path, str]:
+    """An `.npz` of the given kind and the sentence flarepp says about it."""
+    path = tmp_path / f"{case}.npz"
+    if case == "objects":
+        np.savez(path, x=np.array([_CreatesAFile(tmp_path / "PWNED"), 1], dtype=object))
+        return path, f"{path}: key 'x' holds Python objects (an object array), which are " \
+                     "not read (unpickling them could run code)"
+    if case == "no arrays":
+        np.savez(path)
+        return path, f"{path}: the archive holds no arrays"
+    if case == "no samples":
+        np.savez(path, x=np.zeros((0, 81, 3), np.float32))
+        return path, f"{path}: key 'x' is empty (shape [0, 81, 3]): every sample, point " \
+                     "and channel count must be at least 1"
+    np.savez(path, x=np.zeros((2, 0, 3), np.float32))          # no points
+    return path, f"{path}: key 'x' is empty (shape [2, 0, 3])"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["objects", "no arrays", "no samples", "no points"])
+def test_infer_names_an_npz_of_objects_or_of_nothing(darcy_run, tmp_path, capsys, case):
+    """`infer --data x.npz` read an inputs-only file with numpy directly: an object array
+    gave numpy's "Object arrays cannot be loaded when allow_pickle=False", 0 samples "need
+    at least one array to concatenate", and 0 points wrote predictions of nothing with exit
+    0. Now the file and key are named (exit 1), no output is written, and the object array
+    is never unpickled."""
+    _, _, checkpoint = darcy_run
+    path, said = _npz_without_data(tmp_path, case)
+    code = cli(["infer", str(checkpoint), "--data", str(path), "--out",
+                str(tmp_path / "pred.npz")])
+    err = capsys.readouterr().err
+    assert code == 1 and f"flarepp infer: error: {said}" in err, err
+    assert not (tmp_path / "pred.npz").exists() and not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("case", ["objects", "no arrays", "no samples", "no points"])
+def test_data_commands_name_an_npz_of_objects_or_of_nothing(tmp_path, capsys, case):
+    """`data check npz` and `train --data` on an object array said "the file is truncated
+    or corrupt (DataError: ... holds Python objects ...)", calling a well-formed file
+    corrupt; an archive without arrays, or with an array of no samples or points, was told
+    only by later checks or not at all. Each is now one sentence naming the file and key,
+    exit 1, and the object array is never unpickled."""
+    path, said = _npz_without_data(tmp_path, case)
+    assert cli(["data", "check", "npz", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"flarepp data: error: {said}" in err and "corrupt" not in err, err
+    assert cli(["train", "--data", str(path), "--out", str(tmp_path / "run"), "--set",
+                "device=cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"flarepp train: error: {said}" in err and "corrupt" not in err, err
+    assert not (tmp_path / "PWNED").exists()
