@@ -14,8 +14,9 @@
 3. The large mesh: ``flarepp infer --chunk-size K --precision P --hidden-on memmap
    --memmap-dir DIR`` in a child process, sampled every ``--every`` seconds: its resident
    memory (``VmRSS``, split into anonymous memory, ``RssAnon``, and pages of mapped files,
-   ``RssFile``, which the kernel may drop), the blocks the memory-mapped hidden state holds on
-   disk, and the host's ``MemAvailable``. Peaks and the wall time go to ``DIR/moonshot.json``.
+   ``RssFile``, which the kernel may drop), the disk the memory-mapped hidden state holds
+   (its file is deleted once mapped, with its space reserved whole: the size of its mapping
+   in ``/proc/PID/maps``), and the host's ``MemAvailable``. Peaks and the wall time go to ``DIR/moonshot.json``.
 
 Every number is measured in this run; nothing is estimated.
 """
@@ -59,9 +60,26 @@ def proc_status(pid: int) -> dict[str, int]:
         return {}
 
 
+def mapped_bytes(pid: int, directory: Path) -> int:
+    """Bytes of the files under ``directory`` that process ``pid`` maps (0 once it is gone):
+    the hidden state, whose file is deleted once mapped and whose blocks are all reserved."""
+    prefix = os.path.realpath(directory) + os.sep
+    total = 0
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(prefix):
+                    start, end = (int(v, 16) for v in fields[0].split("-"))
+                    total += end - start
+    except OSError:
+        return 0
+    return total
+
+
 def disk_bytes(directory: Path) -> int:
-    """Bytes of disk the files under ``directory`` occupy (allocated blocks: the hidden
-    state's file is sparse until written)."""
+    """Bytes of disk the files under ``directory`` occupy (allocated blocks): what a run
+    left there."""
     total = 0
     for root, _dirs, files in os.walk(directory):
         for name in files:
@@ -94,7 +112,7 @@ def watched(cmd: list[str], memmap_dir: Path, every: float, env: dict, log: Path
             while not done.wait(every):
                 for k, v in proc_status(proc.pid).items():
                     peaks[k] = max(peaks[k], v)
-                peaks["disk"] = max(peaks["disk"], disk_bytes(memmap_dir))
+                peaks["disk"] = max(peaks["disk"], mapped_bytes(proc.pid, memmap_dir))
                 low_available = min(low_available, mem_available())
 
         thread = threading.Thread(target=sample, daemon=True)

@@ -271,24 +271,33 @@ def test_hidden_state_placements_agree(hidden_on, tmp_path):
 
 def test_auto_placement_spills_to_a_memory_mapped_file(tmp_path, monkeypatch):
     """``hidden_on="auto"`` with a budget smaller than h [B, N, C] writes h to a file in
-    ``memmap_dir`` (seen while it exists) and still gives the unchunked outputs."""
+    ``memmap_dir`` (seen while its space is reserved, gone once it is mapped) and still
+    gives the unchunked outputs."""
     import flarepp.distributed.streaming as streaming
-    seen = []
-    original = streaming._hidden_storage
+    seen, reserving = [], []
+    original, reserve = streaming._hidden_storage, streaming._reserve
 
     def spy(kind, *args, **kwargs):
         out = original(kind, *args, **kwargs)
-        seen.append((kind, [p.name for p in tmp_path.rglob("*")]))
+        seen.append((kind, os.listdir(tmp_path)))
         return out
 
+    def spy_reserve(fd, nbytes, *args):
+        reserving.append((nbytes, os.listdir(tmp_path)))
+        return reserve(fd, nbytes, *args)
+
     monkeypatch.setattr(streaming, "_hidden_storage", spy)
+    monkeypatch.setattr(streaming, "_reserve", spy_reserve)
     model = tiny_model("flare")
     x, mask = batch(True)
     with torch.no_grad():
         want = model(x, mask)
     got = stream_forward(model, x, mask, chunk_size=5, memory_budget=100,
                          memmap_dir=tmp_path)
-    assert [kind for kind, _ in seen] == ["memmap"] and "hidden.bin" in seen[0][1]
+    assert seen == [("memmap", [])]
+    [(nbytes, names)] = reserving
+    assert nbytes == x.shape[0] * x.shape[1] * model.config.dim * 8   # float64 h [B, N, C]
+    assert len(names) == 1 and names[0].startswith("flarepp-hidden-")
     assert (got - want).abs().max() <= 1e-10 * max(1.0, want.abs().max().item())
     assert os.listdir(tmp_path) == []
     stream_forward(model, x, mask, chunk_size=5, memory_budget=2 ** 40)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -96,17 +97,123 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def available_memory(device: torch.device | str = HOST) -> int:
-    """Bytes a new allocation may take on ``device``: free device memory on CUDA, the host's
-    ``MemAvailable`` (free memory plus reclaimable caches) on Linux, free pages elsewhere."""
+    """Bytes a new allocation may take on ``device``: free device memory on CUDA; on the
+    host the tightest of :func:`memory_bounds` (free memory, the process's address-space and
+    data limits, its cgroup's memory limit)."""
+    return min(memory_bounds(device).values())
+
+
+def memory_bounds(device: torch.device | str = HOST, *,
+                  cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+                  proc: str | os.PathLike = "/proc") -> dict[str, int]:
+    """Each bound on a new allocation on ``device`` that applies here, in bytes, keyed by
+    what it is (for messages that name the one that binds).
+
+    CUDA: the device's free memory. The host: ``MemAvailable`` (free memory plus
+    reclaimable caches; free pages without ``/proc``), and where set, ``RLIMIT_AS`` /
+    ``RLIMIT_DATA`` less the process's ``VmSize`` / ``VmData`` (what the kernel checks each
+    mapping against), and the memory limit of its cgroup or of an ancestor cgroup less that
+    cgroup's usage net of inactive file pages, which the kernel reclaims before it refuses
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``; :func:`cgroup_memory_bound`).
+    ``cgroup_root`` and ``proc`` are where those file systems are mounted."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return {"free device memory": int(torch.cuda.mem_get_info(device)[0])}
+    proc = Path(proc)
+    status = _status_bytes(proc / "self" / "status")
+    bounds = {}
+    if "MemAvailable" in (meminfo := _status_bytes(proc / "meminfo")):
+        bounds["free memory (MemAvailable)"] = meminfo["MemAvailable"]
+    else:
+        bounds["free memory"] = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    import resource
+    for name, used in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        if soft != resource.RLIM_INFINITY:
+            bounds[f"the {'address-space' if name == 'RLIMIT_AS' else 'data'} limit "
+                   f"({name} {soft})"] = max(soft - status.get(used, 0), 0)
+    try:
+        membership = (proc / "self" / "cgroup").read_text()
+    except OSError:
+        membership = ""
+    cgroup = cgroup_memory_bound(cgroup_root, membership)
+    if cgroup is not None:
+        bounds[cgroup[0]] = cgroup[1]
+    return bounds
+
+
+UNLIMITED = 1 << 60
+"""A cgroup v1 memory limit this large is no limit (v1 writes ``LONG_MAX`` rounded to a
+page, v2 writes ``max``)."""
+
+
+def cgroup_memory_bound(root: str | os.PathLike, membership: str) -> tuple[str, int] | None:
+    """``(what, bytes)`` of the tightest cgroup memory limit on this process, or None.
+
+    ``membership`` is ``/proc/self/cgroup``'s text (``hierarchy:controllers:path`` lines:
+    ``0::path`` for cgroup v2, ``N:...memory...:path`` for v1's memory controller);
+    ``root`` is where the hierarchies are mounted (v2 at ``root``, v1's memory controller at
+    ``root/memory``). The cgroup's directory and each ancestor's up to ``root`` is read; a
+    limit bounds what its whole subtree uses, so the headroom is ``limit - (usage - inactive
+    file pages)`` there, the smallest over the ancestry."""
+    root = Path(root)
+    best: tuple[str, int] | None = None
+    for line in membership.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                            "total_inactive_file")
+        else:
+            continue
+        relative = Path(path.strip().lstrip("/"))
+        # a cgroup outside this mount's view (a namespace shows it as "/../..") reads the root
+        folder = base if ".." in relative.parts else base / relative
+        while True:
+            headroom = _cgroup_headroom(folder, *files)
+            if headroom is not None and (best is None or headroom < best[1]):
+                best = (f"the cgroup memory limit ({folder / files[0]})", headroom)
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return best
+
+
+def _cgroup_headroom(folder: Path, limit_file: str, usage_file: str,
+                     inactive_key: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= UNLIMITED:
+            return None
+        usage = int((folder / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        stat = dict(line.split(" ", 1) for line in (folder / "memory.stat").read_text()
+                    .splitlines() if " " in line)
+        inactive = int(stat.get(inactive_key, 0))
+    except (OSError, ValueError):  # no statistics: count all usage as taken (the safe side)
+        inactive = 0
+    return max(int(limit) - max(usage - inactive, 0), 0)
+
+
+def _status_bytes(path: Path) -> dict[str, int]:
+    """The ``Key: N kB`` lines of ``/proc/meminfo`` or ``/proc/self/status``, in bytes."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields = value.split()
+        if len(fields) == 2 and fields[1] == "kB" and fields[0].isdigit():
+            out[key] = int(fields[0]) * 1024
+    return out
 
 
 def peak_host_memory() -> int:

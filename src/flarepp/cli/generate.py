@@ -5,14 +5,15 @@ The prompt runs once through the parallel form; every new byte is one recurrent 
 :func:`flarepp.models.causal_lm.generate_stream`). The text goes to stdout byte by byte as
 it is sampled, flushed each time, so a long request shows its output at once and Ctrl-C or
 SIGTERM stops it with everything generated so far written (exit 130 / 143); the timing and
-the decoding state's size go to stderr. A request whose KV cache (causal attention) would
-not fit the device's free memory is refused before any work.
+the decoding state's size go to stderr. The bytes are written as sampled, not decoded: a
+byte model's output need not be UTF-8. A request whose KV cache (causal attention) would
+not fit what the device may still allocate (on the host: free memory, the address-space
+and cgroup limits) is refused before any work.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import math
 import os
 import sys
@@ -33,24 +34,27 @@ def _finite_non_negative(text: str) -> float:
 
 
 def _check_memory(model, prompt_tokens: int, new_tokens: int, device) -> None:
-    """Refuse a request whose decoding state cannot fit ``device``'s free memory.
+    """Refuse a request whose decoding state cannot fit what ``device`` may still allocate
+    (free memory, and on the host the process's address-space, data and cgroup limits,
+    :func:`flarepp.device.memory_bounds`; the tightest is named).
 
     Causal attention's KV cache grows by ``2 H D`` numbers per block and token and is
     reserved for the prompt and every new token up front; causal FLARE's state has a fixed
     size, so only time bounds its request (and the output is streamed)."""
-    from flarepp.device import available_memory
+    from flarepp.device import memory_bounds
     from flarepp.models.decoding import state_bytes
     per_token = (state_bytes(model.initial_state(1, capacity=2))[1]
                  - state_bytes(model.initial_state(1, capacity=1))[1])
     if per_token <= 0:
         return
-    need, free = per_token * (prompt_tokens + new_tokens), available_memory(device)
+    bound, free = min(memory_bounds(device).items(), key=lambda item: item[1])
+    need = per_token * (prompt_tokens + new_tokens)
     if need > free:
         fits = max(free // per_token - prompt_tokens, 0)
         raise CLIError(f"--max-new-tokens {new_tokens}: {model.config.mixer}'s KV cache for "
                        f"{prompt_tokens + new_tokens} tokens needs {need / 2**30:.1f} GiB, "
-                       f"more than the {free / 2**30:.1f} GiB free on {device}; at most "
-                       f"{fits} new tokens fit")
+                       f"more than the {free / 2**30:.1f} GiB {bound} leaves on {device}; "
+                       f"at most {fits} new tokens fit")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -69,17 +73,19 @@ def _generate(args: argparse.Namespace) -> int:
     _check_memory(model, len(prompt), args.max_new_tokens, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = sys.stdout
+    # The sampled bytes themselves, not a decoding of them: a byte model's output need not
+    # be UTF-8 (and stdout's encoding need not hold every character).
+    sys.stdout.flush()
+    out = sys.stdout.buffer
     produced, states, stopped = 0, None, None
     start = time.perf_counter()
-    out.write(text.decode(prompt))
+    out.write(prompt)
     out.flush()
     try:
         for token, states in generate_stream(model, ids, args.max_new_tokens,
                                              temperature=args.temperature, top_k=args.top_k,
                                              generator=generator):
-            out.write(text.decode(bytes([int(token[0])])))  # each byte as it is sampled
+            out.write(bytes([int(token[0])]))  # each byte as it is sampled
             out.flush()
             produced += 1
     except (KeyboardInterrupt, Terminated) as err:
@@ -87,9 +93,16 @@ def _generate(args: argparse.Namespace) -> int:
     except BrokenPipeError:   # the reader went away (`| head`): stop, as `yes | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         stopped = "the reader closed the output"
+    except RuntimeError as err:   # the allocator, past what _check_memory could foresee
+        if "can't allocate memory" not in str(err) and not isinstance(
+                err, torch.OutOfMemoryError):
+            raise
+        raise MemoryError(f"the decoding state for {len(prompt) + args.max_new_tokens} "
+                          f"tokens could not be allocated on {device} "
+                          f"({str(err).splitlines()[0]})") from None
     seconds = time.perf_counter() - start
     if not isinstance(stopped, str):
-        out.write(text.decode(b"", final=True) + "\n")
+        out.write(b"\n")
         out.flush()
     used = state_bytes(states)[0] if states is not None else 0
     names = {KeyboardInterrupt: "SIGINT", Terminated: "SIGTERM"}

@@ -19,17 +19,18 @@ def _inputs(args: argparse.Namespace, tm) -> tuple[np.ndarray, np.ndarray | None
     """``(x, y or None, mask or None)``: an inputs-only ``.npz`` (keys ``x``, ``mask``) or a
     split of the checkpoint's dataset read from ``--data``."""
     from flarepp.data import MeshSamples, load_dataset
+    from flarepp.data.loaders import read_npz
     path = Path(args.data)
     if path.suffix == ".npz" and path.is_file():
-        with np.load(path) as f:
-            if "x" in f and "y" not in f:
-                x = np.asarray(f["x"], np.float32)
-                mask = np.asarray(f["mask"], bool) if "mask" in f else None
-                if x.ndim != 3 or (mask is not None and mask.shape != x.shape[:2]):
-                    raise CLIError(f"{path}: expected x [S, N, in] and optional mask [S, N], "
-                                   f"got x {list(x.shape)}"
-                                   + ("" if mask is None else f", mask {list(mask.shape)}"))
-                return x, None, mask
+        f = read_npz(path)
+        if "x" in f and "y" not in f:
+            x = np.asarray(f["x"], np.float32)
+            mask = np.asarray(f["mask"], bool) if "mask" in f else None
+            if x.ndim != 3 or (mask is not None and mask.shape != x.shape[:2]):
+                raise CLIError(f"{path}: expected x [S, N, in] and optional mask [S, N], "
+                               f"got x {list(x.shape)}"
+                               + ("" if mask is None else f", mask {list(mask.shape)}"))
+            return x, None, mask
     c = tm.config
     dataset = args.dataset or c.dataset
     options = c.dataset_options if dataset == c.dataset else {}
@@ -208,7 +209,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "auto takes the first that holds it in half the free memory")
     p.add_argument("--memmap-dir", metavar="DIR",
                    help="directory for the memory-mapped hidden state (default the system's "
-                        "temporary directory); the file is removed afterwards")
+                        "temporary directory); its space is reserved first and the file is "
+                        "deleted once mapped")
     p.add_argument("--context-parallel", action="store_true",
                    help="split every mesh's points over the ranks of a torchrun launch")
     p.add_argument("--batch-size", type=at_least(1), default=1, help="samples per forward")

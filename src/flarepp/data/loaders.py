@@ -149,7 +149,8 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 
     An ``.npz`` is a zip archive of ``.npy`` arrays: an empty file, a truncated one (its zip
     directory is at the end) and one of random bytes are told apart from an archive that
-    holds Python objects, which is refused (reading it would unpickle them).
+    holds Python objects, which is refused without being unpickled (``allow_pickle=False``),
+    and from an archive of no arrays or of an array without elements, which hold no data.
     """
     _refuse_empty(path)
     if not zipfile.is_zipfile(path):
@@ -165,12 +166,28 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
                     if "pickle" not in str(err):
                         raise
                     raise DataError(f"{path}: key {key!r} holds Python objects (an object "
-                                    "array), which are not read; store numeric arrays, and "
-                                    "meshes of different N as per-sample keys x_0, y_0, ...") from None
+                                    "array), which are not read (unpickling them could run "
+                                    "code); store numeric arrays, and meshes of different N "
+                                    "as per-sample keys x_0, y_0, ...") from None
+    except DataError:
+        raise
     except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as err:
         raise DataError(f"{path}: the file is truncated or corrupt ({type(err).__name__}: "
                         f"{err}); re-download or re-create it") from err
+    if not contents:
+        raise DataError(f"{path}: the archive holds no arrays (an .npz of x [S, N, in] and "
+                        "y [S, N, out] was expected)")
+    _refuse_empty_arrays(contents, path)
     return contents
+
+
+def _refuse_empty_arrays(contents: dict[str, Any], path: Path) -> None:
+    """A :class:`DataError` naming the first array of ``contents`` without elements (a
+    sample set of 0 samples, points or channels gives no prediction, error or statistic)."""
+    for key, value in contents.items():
+        if isinstance(value, np.ndarray) and value.size == 0:
+            raise DataError(f"{path}: key {key!r} is empty (shape {list(value.shape)}): "
+                            "every sample, point and channel count must be at least 1")
 
 
 def _enough(path: Path | str, available: int, needed: int, what: str) -> None:
@@ -476,6 +493,7 @@ def _read_user_file(path: Path) -> dict[str, Any]:
                 value = value.detach().cpu()
                 value = (value.float() if value.is_floating_point() else value).numpy()
             out[str(key)] = value
+        _refuse_empty_arrays(out, path)
         return out
     raise DataError(f"{path}: unsupported file type {path.suffix!r}, expected .npz or .pt")
 

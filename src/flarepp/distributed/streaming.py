@@ -51,7 +51,8 @@ rank streams its own token shard, exactly over the whole mesh.
 
 Memory. The hidden state ``h [B, N, C]`` in the residual stream's dtype (float32, or the
 autocast dtype), stored where ``hidden_on`` says: on the compute device, in host memory, or
-in a memory-mapped file in a temporary directory; the inputs ``[B, N, I]`` and outputs
+in a memory-mapped file whose disk space is reserved first and that is deleted once mapped
+(:func:`memmap_scratch`); the inputs ``[B, N, I]`` and outputs
 ``[B, N, O]`` where the caller keeps them; per chunk one block's activations on K tokens,
 ``O(K C)``; per encode ``O(B H M D)``. Nothing grows with N but ``h`` and the in- and outputs.
 Under autocast the partials are accumulated in float32 (float64 for float64 models).
@@ -62,11 +63,15 @@ mixers' backends afterwards; the model code is not touched. Inference only (no a
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import itertools
 import math
 import os
+import re
+import shutil
+import socket
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -217,20 +222,114 @@ def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
 
 
 def _hidden_storage(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
-                    device: torch.device, memmap_dir: str | os.PathLike | None,
-                    stack: contextlib.ExitStack) -> torch.Tensor:
+                    device: torch.device, memmap_dir: str | os.PathLike | None
+                    ) -> torch.Tensor:
     """An uninitialised ``[B, N, C]`` buffer on ``device``, in host memory or in a file."""
     if kind == "device":
         return torch.empty(shape, dtype=dtype, device=device)
     if kind == "host":
         return torch.empty(shape, dtype=dtype)
-    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="flarepp-hidden-",
-                                                                dir=memmap_dir))
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     # A byte file viewed as `dtype`: numpy has no bfloat16, torch reinterprets the bytes.
-    array = np.memmap(os.path.join(directory, "hidden.bin"), dtype=np.uint8, mode="w+",
-                      shape=(max(1, nbytes),))
+    array = memmap_scratch(memmap_dir, max(1, nbytes), f"the hidden state {list(shape)} "
+                                                       f"{str(dtype).removeprefix('torch.')}")
     return torch.from_numpy(array)[:nbytes].view(dtype).view(shape)
+
+
+MEMMAP_PREFIX = "flarepp-hidden-"
+_MEMMAP_NAME = re.compile(re.escape(MEMMAP_PREFIX)
+                          + r"(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+\.bin")
+"""``flarepp-hidden-<host>-<pid>-<random>.bin``: who made a :func:`memmap_scratch` file."""
+
+
+def memmap_scratch(directory: str | os.PathLike | None, nbytes: int, what: str) -> np.ndarray:
+    """A writable ``uint8`` array of ``nbytes`` mapped from a file in ``directory`` (default
+    the system's temporary directory) whose disk space is reserved and that is already
+    deleted: the kernel frees it when the mapping goes, however the process ends.
+
+    Space first: a sparse file on a full file system maps fine and then kills the process
+    with SIGBUS at the first page that cannot be stored. ``os.posix_fallocate`` reserves
+    every block (glibc writes them where the file system has no fallocate); without it
+    (macOS) the free space is compared with ``nbytes``, which another writer can still
+    take. No room, a quota or a file-size limit is an ``OSError`` naming ``directory``,
+    the bytes needed and the bytes free.
+
+    The file is unlinked as soon as it is mapped, so an exception, Ctrl-C, SIGTERM and
+    SIGKILL all leave nothing. Only a SIGKILL between its creation and the mapping (while
+    the space is reserved) can leave ``flarepp-hidden-<host>-<pid>-*.bin``: each call removes
+    such files of this host whose process no longer runs (:func:`remove_stale_scratch`).
+    """
+    folder = Path(tempfile.gettempdir() if directory is None else directory)
+    remove_stale_scratch(folder)
+    owner = f"{socket.gethostname()}-{os.getpid()}-"
+    fd, name = tempfile.mkstemp(prefix=MEMMAP_PREFIX + owner, suffix=".bin", dir=folder)
+    try:
+        _reserve(fd, nbytes, folder, what)
+        return np.memmap(name, dtype=np.uint8, mode="r+", shape=(nbytes,))
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def _reserve(fd: int, nbytes: int, folder: Path, what: str) -> None:
+    """Allocate ``nbytes`` of disk to the open file ``fd`` (:func:`memmap_scratch`)."""
+    if hasattr(os, "posix_fallocate"):   # not on macOS
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise _no_room(folder, nbytes, what, err) from None
+            if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    # No reservation to be had: compare the free space, then extend the (sparse) file.
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise _no_room(folder, nbytes, what, None)
+    os.ftruncate(fd, nbytes)
+
+
+def _no_room(folder: Path, nbytes: int, what: str, err: OSError | None) -> OSError:
+    free = shutil.disk_usage(folder).free
+    why = ("the file-size limit (ulimit -f) refuses a file that large"
+           if err is not None and err.errno == errno.EFBIG else
+           "a disk quota refuses it" if err is not None and err.errno == errno.EDQUOT else
+           f"its file system has {free:,} bytes ({_mib(free)}) free")
+    return OSError(errno.ENOSPC, f"no room for {what} as a memory-mapped file: it needs "
+                                 f"{nbytes:,} bytes ({_mib(nbytes)}) and {why}; "
+                                 "free space there or give another directory (--memmap-dir)",
+                   str(folder))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def remove_stale_scratch(folder: Path) -> list[Path]:
+    """Delete the :func:`memmap_scratch` files in ``folder`` left by processes of this host
+    that no longer run (a SIGKILL while their space was reserved); returns them. Another
+    host's files, or a running process's, are kept: whether they are in use cannot be told
+    from here."""
+    removed = []
+    host = socket.gethostname()
+    for path in folder.glob(f"{MEMMAP_PREFIX}*.bin"):
+        match = _MEMMAP_NAME.fullmatch(path.name)
+        if match is None or match["host"] != host or _process_runs(int(match["pid"])):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # it exists, as another user's
+        return True
+    return True
 
 
 def _to(x: torch.Tensor | None, sl: slice, device: torch.device) -> torch.Tensor | None:
@@ -248,8 +347,10 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     the model's) and the outputs are written back to ``x``'s device. With ``group``, ``x``
     is this rank's token shard and the encodes are merged across the group as well (call
     it on every rank). ``hidden_on`` places the hidden state ``[B, N, C]`` between blocks:
-    ``"device"``, ``"host"``, ``"memmap"`` (a file in a temporary directory under
-    ``memmap_dir``, default the system's, removed afterwards) or ``"auto"``: the device if it
+    ``"device"``, ``"host"``, ``"memmap"`` (a file in ``memmap_dir``, default the
+    system's temporary directory, with its space reserved and deleted once mapped: a full
+    disk is an ``OSError`` sentence and no exit leaves the file, :func:`memmap_scratch`) or
+    ``"auto"``: the device if it
     is an accelerator and the state fits ``memory_budget`` bytes there, else host memory if
     it fits ``memory_budget`` bytes, else a memory-mapped file; the default budget is half
     the memory available at the call (free device memory / the host's ``MemAvailable``).
@@ -277,7 +378,7 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     previous = install_backend(model, backend)
     bar = tqdm(total=None, unit="pass", desc="stream_forward", disable=not progress)
     try:
-        with torch.no_grad(), contextlib.ExitStack() as stack:
+        with torch.no_grad():
             hidden = None   # h [B, N, C], allocated once the residual stream's dtype is known
             for sl in chunks:
                 h_c = plan.embed(_to(x_BNI, sl, device), _to(mask_BN, sl, device))
@@ -285,7 +386,7 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
                     shape = (batch, n_tokens, h_c.shape[-1])
                     nbytes = math.prod(shape) * h_c.element_size()
                     kind = _storage_kind(hidden_on, nbytes, device, memory_budget)
-                    hidden = _hidden_storage(kind, shape, h_c.dtype, device, memmap_dir, stack)
+                    hidden = _hidden_storage(kind, shape, h_c.dtype, device, memmap_dir)
                     bar.set_postfix_str(f"hidden state: {kind}, {nbytes / 2**30:.2f} GiB")
                 hidden[:, sl] = h_c
             bar.update()

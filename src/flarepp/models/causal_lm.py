@@ -167,15 +167,31 @@ class CausalLM(nn.Module):
         return self._head(h), new_states
 
 
+def sampling_probabilities(logits_BV: torch.Tensor, temperature: float,
+                           top_k: int | None = None) -> torch.Tensor:
+    """``softmax(logits / temperature)`` over the ``top_k`` largest logits (all by default),
+    ``[B, V]`` in float64, for a temperature > 0.
+
+    Computed as ``softmax((logits - max logits) / temperature)``, the same distribution
+    (softmax is shift-invariant), so that every scaled logit is <= 0 and no temperature
+    overflows: ``logits / 5e-324`` is ``inf`` and its softmax NaN, while a shifted logit
+    below the maximum goes to ``-inf`` (probability 0) as the temperature shrinks, and the
+    most likely byte's probability to 1, greedy decoding, as at 0. In float64, where every
+    positive Python float is a positive number (float32 rounds 5e-324 to 0, and 0 / 0 is
+    NaN)."""
+    logits_BV = logits_BV.double()
+    if top_k is not None:
+        kth = logits_BV.topk(min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    shifted = logits_BV - logits_BV.amax(dim=-1, keepdim=True)
+    return torch.softmax(shifted / temperature, dim=-1)
+
+
 def _sample(logits_BV: torch.Tensor, temperature: float, top_k: int | None,
             generator: torch.Generator | None) -> torch.Tensor:
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
-    logits_BV = logits_BV.float() / temperature
-    if top_k is not None:
-        kth = logits_BV.topk(min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-    probs = torch.softmax(logits_BV, dim=-1)
+    probs = sampling_probabilities(logits_BV, temperature, top_k)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 

@@ -34,7 +34,7 @@ from flarepp.data import Normalizer
 from flarepp.device import HOST
 from flarepp.io import atomic_write, fsync_directory, is_temporary
 from flarepp.models import model_from_config
-from flarepp.storage.config import RunConfig
+from flarepp.storage.config import RunConfig, stored_version
 
 FORMAT_VERSION = 1
 REQUIRED = ("format_version", "config", "model_config", "model", "ema", "epoch",
@@ -171,6 +171,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} has format version "
                               f"{state['format_version']}; this flarepp reads "
                               f"version {FORMAT_VERSION}")
+    try:
+        stored_version(state["config"])
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its run config's {err}") from None
     return state
 
 

@@ -295,7 +295,10 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
         """A config from a user's dict or file: flat (``to_dict()``) or in sections
         (``to_file()``). Every field it lacks takes today's default; ``name`` defaults to
-        the dataset's name."""
+        the dataset's name. A :data:`VERSION_KEY` it holds is checked
+        (:func:`stored_version`): a newer flarepp's config is refused, not read with today's
+        meaning."""
+        stored_version(d)
         return cls._from_flat(flatten_sections(d))
 
     @classmethod
@@ -305,10 +308,10 @@ class RunConfig:
         lacks takes its :data:`LEGACY_PROTOCOL` value, what that run trained with; a field
         added after the stored version (:data:`ADDED_SINCE`) takes the value runs of that
         version had."""
+        version = stored_version(d)
         flat = flatten_sections(d)
         if VERSION_KEY not in d:
             flat = {**LEGACY_PROTOCOL, **flat}
-        version = d.get(VERSION_KEY, 1)
         for added, values in ADDED_SINCE.items():
             if version < added:
                 flat = {**values, **flat}
@@ -381,6 +384,27 @@ class RunConfig:
         cls = model_config_class(kwargs.get("arch", "surrogate"))
         dim, heads = (kwargs.get(k, _field_default(cls, k)) for k in ("dim", "heads"))
         return describe_scale(self.sdpa_scale(), dim // heads if dim and heads else None)
+
+
+def stored_version(d: dict[str, Any]) -> int:
+    """The :data:`VERSION_KEY` of a stored or user's config ``d``: 1 when absent (stored
+    before versions were written), else an integer from 1 to :data:`CONFIG_VERSION`.
+
+    Raises ``ValueError`` naming the key for anything else: a newer version was written by a
+    newer flarepp, whose fields may mean what this one cannot know (it must not train or
+    evaluate with today's meaning), and a non-integer or a version below 1 was never
+    written by any. The caller names the file."""
+    if not isinstance(d, dict) or VERSION_KEY not in d:
+        return 1
+    version = d[VERSION_KEY]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"key {VERSION_KEY!r} must be an integer >= 1 (the config format "
+                         f"version flarepp writes, {CONFIG_VERSION} today), got {version!r}")
+    if version > CONFIG_VERSION:
+        raise ValueError(f"key {VERSION_KEY!r}: written by a newer flarepp (version "
+                         f"{version} > {CONFIG_VERSION}, the newest this flarepp reads); "
+                         "upgrade flarepp to use it")
+    return version
 
 
 def flatten_sections(d: dict[str, Any]) -> dict[str, Any]:
@@ -550,4 +574,4 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
 __all__ = ["ADDED_SINCE", "ATTN_SCALE_WORDS", "CONFIG_VERSION", "EVAL_WEIGHTS", "FILE_SECTIONS",
            "LEGACY_PROTOCOL", "VERSION_KEY", "flatten_sections", "REFERENCE_ATTN_SCALE",
            "RUNTIME_FIELDS", "RunConfig", "apply_overrides", "check_types", "conforms",
-           "describe_scale", "model_config_class", "parse_value"]
+           "describe_scale", "model_config_class", "parse_value", "stored_version"]
