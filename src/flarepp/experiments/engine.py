@@ -435,6 +435,15 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
     return "finished"
 
 
+def check_runtime(runtime: list[str]) -> None:
+    """``runtime`` (``--set`` items for one process of a study) names runtime fields only."""
+    from flarepp.storage.config import RUNTIME_FIELDS
+    for item in runtime:
+        if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
+            raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
+                             "may differ between the processes of a study")
+
+
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
               log: Callable[[str], None] = print,
               claim_grace_s: float = GRACE_S) -> dict[str, list[str]]:
@@ -449,11 +458,7 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
     ``finished``, ``failed``, ``error`` (left resumable), ``skipped`` (held by another
     process), ``reused``. A study directory where no claim can be made raises
     :class:`~flarepp.storage.locks.LockUnavailable` before anything is trained."""
-    from flarepp.storage.config import RUNTIME_FIELDS
-    for item in runtime or []:
-        if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
-            raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
-                             "may differ between the processes of a study")
+    check_runtime(runtime or [])
     out_dir = Path(out_dir)
     study = create_study(out_dir, study)
     fingerprints = DataFingerprints()
@@ -529,7 +534,7 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DataFingerprints", "continue_command", "Point", "PointState", "Study", "StudyConflict",
+__all__ = ["DataFingerprints", "check_runtime", "continue_command", "Point", "PointState", "Study", "StudyConflict",
            "StudyInterrupted", "create_study", "events_file", "open_study", "point_state",
            "read_events", "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
            "train_point"]

@@ -264,8 +264,12 @@ class Lease:
             self._beat.join()
             self._beat = None
         token, self.holder = self.holder.token, None
-        if self._read_token() == token:
-            self.path.unlink(missing_ok=True)
+        try:
+            if self._read_token() == token:
+                self.path.unlink(missing_ok=True)
+        except OSError as err:  # left behind: judged gone by its pid or heartbeat later
+            print(f"flarepp: could not remove the lease {str(self.path)!r} ({err}); it is "
+                  "taken over once its holder is judged gone", file=sys.stderr)
 
     def __enter__(self) -> "Lease":
         return self.acquire()
@@ -289,7 +293,10 @@ class Lease:
             holder = LockHolder.parse(os.read(fd, 65536).decode("utf-8", "replace"))
         finally:
             os.close(fd)
-        age = max(0.0, time.time() - st.st_mtime)
+        # a record's heartbeat is its mtime; a file not yet holding a record may still carry
+        # an NFSv3 exclusive create's verifier as its mtime, so the server-set ctime counts
+        beat = st.st_mtime if holder is not None else max(st.st_mtime, st.st_ctime)
+        age = max(0.0, time.time() - beat)
         grace = holder.grace_s if holder is not None and holder.grace_s else self.grace_s
         alive = holder.alive_here() if holder is not None else None
         if alive is True:
