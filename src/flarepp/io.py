@@ -47,8 +47,8 @@ def _create_temporary(path: Path) -> Path:
         except FileExistsError:
             continue
         try:
-            if path.exists():  # keep the mode of the file being replaced
-                os.fchmod(fd, stat.S_IMODE(path.stat().st_mode))
+            if path.exists():  # keep the mode of the file being replaced (os.fchmod: POSIX only)
+                os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         finally:
             os.close(fd)
         return tmp

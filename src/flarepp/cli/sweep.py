@@ -17,16 +17,17 @@ from flarepp.cli import CLIError
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
-            report: bool = True) -> int:
+            report: bool = True, claim_grace_s: float | None = None) -> int:
     """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
     from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
     from flarepp.experiments.studies import open_any_study
     from flarepp.experiments.reports import write_report
+    from flarepp.storage.locks import GRACE_S
     study = open_any_study(out) if study is None else study
     try:
-        done = run_study(study, out, runtime=runtime,
+        done = run_study(study, out, runtime=runtime, claim_grace_s=claim_grace_s or GRACE_S,
                          log=(lambda _: None) if quiet else print)
     except StudyInterrupted as err:
         print(f"flarepp: {err}", file=sys.stderr)
@@ -36,7 +37,7 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
           f"{len(done['skipped'])} held by other processes, {len(done['reused'])} already "
           "done")
     if done["error"]:
-        print(f"points left by an error (see {Path(out) / 'events.jsonl'}): "
+        print(f"points left by an error (see {Path(out) / 'events'}): "
               f"{', '.join(done['error'])}; fix the cause and run `{continue_command(out)}`",
               file=sys.stderr)
     if report:
@@ -71,7 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
             plan.data[name].make(data)
         print(f"{entry.name}: {entry.command(plan, data, out)}", flush=True)
         code = execute(study, out / entry.name, quiet=args.quiet, runtime=args.set or [],
-                       report=args.report)
+                       report=args.report, claim_grace_s=args.claim_grace)
         if code > 1:  # interrupted: the rest waits for the rerun
             return code
         status = max(status, code)
@@ -79,6 +80,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from flarepp.cli.launcher import launch_spec, run_launched
     from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import parse_axes, sweep_study
     if args.plan:
@@ -96,15 +98,17 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.out is None:
         raise CLIError("give --out DIR (the sweep's directory)")
     axes = parse_axes(args.grid or [])
-    if args.preset is None and not any(k == "preset" for k, _ in axes):
-        if args.grid or args.data:
-            raise CLIError("--grid and --data describe a new sweep: give its PRESET")
-        # continuing: --set may only change how this process runs (device=cpu)
-        return execute(None, args.out, quiet=args.quiet, runtime=args.set or [],
-                       report=args.report)
-    study = sweep_study(args.preset or dict(axes)["preset"][0], axes, sets=args.set or [],
-                        data=args.data)
-    return execute(study, args.out, quiet=args.quiet, report=args.report)
+    study, runtime = None, args.set or []  # continuing: --set may only change how it runs
+    if args.preset is not None or any(k == "preset" for k, _ in axes):
+        study, runtime = sweep_study(args.preset or dict(axes)["preset"][0], axes,
+                                     sets=args.set or [], data=args.data), []
+    elif args.grid or args.data:
+        raise CLIError("--grid and --data describe a new sweep: give its PRESET")
+    launch = launch_spec(args, runtime)
+    if launch is not None:
+        return run_launched(study, args.out, launch, wait=args.wait, report=args.report)
+    return execute(study, args.out, quiet=args.quiet, runtime=runtime, report=args.report,
+                   claim_grace_s=args.claim_grace)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -132,4 +136,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    from flarepp.cli.launcher import add_launcher_options
+    add_launcher_options(p)
     p.set_defaults(func=_sweep)

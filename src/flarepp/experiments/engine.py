@@ -12,9 +12,16 @@ report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its direc
   adds points (more seeds, a longer schedule) replaces it, and its finished runs count;
 * ``runs/<point>/``, one run directory of the :class:`~flarepp.train.Trainer` per point;
 * ``claims/<point>/.lock``: a process works on a point only while it holds this
-  :class:`~flarepp.storage.rundir.RunLock` (released by the kernel however the process
-  ends), so several processes may share one study and a killed one's point is taken over;
-* ``events.jsonl``: who started, resumed, finished, failed or hit an error on which point.
+  :class:`~flarepp.storage.locks.Lease` (an exclusive create with a heartbeat, which holds
+  across hosts sharing the directory), so several processes, on one machine or many, may
+  share one study: a point whose holder was killed is taken over at once on the holder's
+  host, and by another host once the holder's heartbeat is older than its grace period; the
+  taker resumes it from its checkpoint. A process makes passes over the points until one
+  trains nothing, so it also takes over points whose holders died while it worked;
+* ``events/<host>-<pid>.jsonl``: who started, resumed, finished, failed or hit an error on
+  which point, one file per process (appends of several hosts to one file can interleave on
+  NFS), merged in time order when read (:func:`read_events`; a study of an earlier flarepp
+  has one ``events.jsonl``, still read).
 
 One rule for "finished with this config" (:func:`point_state`): the run directory holds
 ``metrics.json``, its stored config computes what the point's config computes (runtime
@@ -34,11 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,10 +52,13 @@ from typing import Any, Callable, Iterator
 
 from flarepp.io import atomic_write_json
 from flarepp.storage.config import RunConfig
+from flarepp.storage.locks import (GRACE_S, Lease, LockHolder, RunLock, RunLocked, file_safe,
+                                   host_id)
 from flarepp.train.checks import apply_overrides
 
 STUDY_NAME = "study.json"
-EVENTS_NAME = "events.jsonl"
+EVENTS_DIR = "events"
+EVENTS_NAME = "events.jsonl"  # the single log of a study an earlier flarepp started
 FAILED_NAME = "failed.json"
 COST_NAME = "cost.json"
 FORMAT = 1
@@ -61,11 +69,12 @@ class StudyConflict(ValueError):
 
 
 class StudyInterrupted(Exception):
-    """SIGINT or SIGTERM stopped the study after a step; rerunning it continues."""
+    """A stop signal (:data:`flarepp.train.loop.STOP_SIGNALS`) stopped the study after a
+    step; rerunning it continues."""
 
     def __init__(self, signum: int, point: str, continue_with: str) -> None:
         import signal
-        self.exit_code = 128 + signum
+        self.signum, self.exit_code = signum, 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} while training {point}; "
                          f"its state is checkpointed: continue with `{continue_with}`")
 
@@ -140,14 +149,12 @@ def resolve_paths(study: Study, out_dir: Path) -> Study:
 
 @contextlib.contextmanager
 def _creation_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive, blocking lock on ``out_dir/.study.lock`` (held for milliseconds)."""
-    fd = os.open(out_dir / ".study.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    """The lease ``out_dir/.study.lock``, waited for (it is held for milliseconds)."""
+    lease = Lease(out_dir / ".study.lock", heartbeat=False).wait(timeout_s=60)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lease.release()
 
 
 def create_study(out_dir: str | Path, study: Study) -> Study:
@@ -215,31 +222,51 @@ def open_study(out_dir: str | Path) -> Study:
 # ---------------------------------------------------------------------------------------------
 # events
 
+def events_file(out_dir: str | Path) -> Path:
+    """This process's own event file, ``events/<host>-<pid>.jsonl``: no other process appends
+    to it, so its lines never interleave with another's, whatever the filesystem."""
+    return Path(out_dir) / EVENTS_DIR / f"{file_safe(host_id())}-{os.getpid()}.jsonl"
+
+
 def record_event(out_dir: Path, point: str, event: str, **extra: Any) -> None:
-    """Append one line to ``events.jsonl`` (one ``write`` of an ``O_APPEND`` file: lines of
-    several processes never interleave). A disk too full for the line is said on stderr."""
-    record = {"point": point, "event": event, "pid": os.getpid(),
-              "host": socket.gethostname(), "time": time.time(), **extra}
+    """Append one line to this process's event file (:func:`events_file`). A disk too full
+    for the line is said on stderr."""
+    record = {"point": point, "event": event, "pid": os.getpid(), "host": host_id(),
+              "time": time.time(), **extra}
+    path = events_file(out_dir)
     try:
-        fd = os.open(out_dir / EVENTS_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         try:
             os.write(fd, (json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
     except OSError as err:
-        print(f"could not record event {record} in {out_dir / EVENTS_NAME}: {err}",
-              file=sys.stderr)
+        print(f"could not record event {record} in {path}: {err}", file=sys.stderr)
 
 
-def read_events(out_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(out_dir) / EVENTS_NAME
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line cut short by a full disk
-            out.append(json.loads(line))
-    return out
+def _say_unreadable(problem: str) -> None:
+    print(f"flarepp: {problem}", file=sys.stderr)
+
+
+def read_events(out_dir: str | Path, *,
+                unreadable: Callable[[str], None] = _say_unreadable) -> list[dict[str, Any]]:
+    """Every process's events (``events/*.jsonl``, and an earlier flarepp's ``events.jsonl``)
+    merged in time order. A line that is not an event record (cut short by a full disk or a
+    kill) is left out and said through ``unreadable``, naming its file and line number."""
+    out_dir = Path(out_dir)
+    files = [out_dir / EVENTS_NAME, *sorted((out_dir / EVENTS_DIR).glob("*.jsonl"))]
+    found = []
+    for path in (f for f in files if f.is_file()):
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            try:
+                record = json.loads(line)
+                record["point"], record["event"]  # noqa: B018 (an event names both)
+                found.append((float(record["time"]), len(found), record))
+            except (ValueError, KeyError, TypeError):
+                unreadable(f"{path} line {number} is not an event record (cut short by a "
+                           f"full disk or a kill?), left out: {line[:80]!r}")
+    return [record for *_, record in sorted(found, key=lambda f: f[:2])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +366,6 @@ def environment_errors() -> tuple[type[BaseException], ...]:
 
     from flarepp.data.fingerprint import DataMismatch
     from flarepp.storage.checkpoint import CheckpointError
-    from flarepp.storage.rundir import RunLocked
     return (OSError, RunLocked, DataMismatch, CheckpointError, torch.OutOfMemoryError)
 
 
@@ -410,7 +436,7 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
 
 
 def check_runtime(runtime: list[str] | None) -> None:
-    """Refuse ``--set`` items of a process joining a study that are not runtime fields."""
+    """``runtime`` (``--set`` items for one process of a study) names runtime fields only."""
     from flarepp.storage.config import RUNTIME_FIELDS
     for item in runtime or []:
         if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
@@ -419,20 +445,24 @@ def check_runtime(runtime: list[str] | None) -> None:
 
 
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
-              log: Callable[[str], None] = print) -> dict[str, list[str]]:
+              log: Callable[[str], None] = print,
+              claim_grace_s: float = GRACE_S) -> dict[str, list[str]]:
     """Train every point of ``study`` that is neither finished nor held by another process
-    (the study is created in ``out_dir`` first, or joined: :func:`create_study`).
+    (the study is created in ``out_dir`` first, or joined: :func:`create_study`), in passes
+    until a pass trains nothing (points held by processes that died meanwhile are taken
+    over then).
 
     ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
-    only. Returns this process's point names by outcome: ``finished``, ``failed``,
-    ``error`` (left resumable), ``skipped`` (held by another process), ``reused``."""
-    from flarepp.storage.rundir import RunLock, RunLocked
-    check_runtime(runtime)
+    only; ``claim_grace_s`` the seconds without a heartbeat after which another host takes
+    this process's points over. Returns this process's point names by outcome:
+    ``finished``, ``failed``, ``error`` (left resumable), ``skipped`` (held by another
+    process), ``reused``. A study directory where no claim can be made raises
+    :class:`~flarepp.storage.locks.LockUnavailable` before anything is trained."""
+    check_runtime(runtime or [])
     out_dir = Path(out_dir)
     study = create_study(out_dir, study)
     fingerprints = DataFingerprints()
-    done: dict[str, list[str]] = {k: [] for k in ("finished", "failed", "error", "skipped",
-                                                   "reused")}
+    outcome: dict[str, str | None] = {}
 
     def state(point: Point, tag: str) -> PointState | None:
         try:
@@ -445,37 +475,59 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
                          else "unexpected")
             log(f"{tag}: cannot check its data, left for the next run: "
                 f"{type(err).__name__}: {err}")
-            done["error"].append(point.name)
             return None
 
-    for i, point in enumerate(study.points):
-        tag = f"[{i + 1}/{len(study.points)}] {point.name}"
+    def visit(point: Point, tag: str, first: bool) -> str | None:
+        """This process's outcome for ``point``; ``None``: failed before (final)."""
         now = state(point, tag)
         if now is None:
-            continue
+            return "error"
         if now.status == "failed":
-            log(f"{tag}: failed before (final, not retried): {now.error}")
-            continue
+            if first:
+                log(f"{tag}: failed before (final, not retried): {now.error}")
+            return None if first else "skipped"
         if now.status == "done":
-            done["reused"].append(point.name)
-            continue
-        claim = RunLock(out_dir / "claims" / point.name)
+            return "reused" if first else "skipped"  # later: finished by its holder
+        claim = Lease(out_dir / "claims" / point.name / ".lock", grace_s=claim_grace_s)
         try:
             claim.acquire()
         except RunLocked:
-            done["skipped"].append(point.name)
-            continue
+            return "skipped"
         try:
             now = state(point, tag)  # another process may have finished it meanwhile
             if now is None or now.status != "pending":
-                continue
+                return "error" if now is None else "skipped"
+            if claim.stale is not None:
+                _take_over(out_dir, point, claim.stale, log, tag)
             if now.error:
                 log(f"{tag}: not reused: {now.error}")
             config = apply_overrides(point.config, runtime) if runtime else point.config
-            done[train_point(study, out_dir, point, config, log, tag)].append(point.name)
+            return train_point(study, out_dir, point, config, log, tag)
         finally:
             claim.release()
-    return done
+
+    waiting = list(enumerate(study.points))
+    while waiting:
+        trained = False
+        for i, point in waiting:
+            was = outcome.get(point.name)
+            outcome[point.name] = visit(point, f"[{i + 1}/{len(study.points)}] {point.name}",
+                                        first=was is None)
+            trained |= outcome[point.name] in ("finished", "failed", "error")
+        waiting = [(i, p) for i, p in waiting if outcome[p.name] == "skipped"]
+        if not trained:
+            break
+    return {k: [p.name for p in study.points if outcome.get(p.name) == k]
+            for k in ("finished", "failed", "error", "skipped", "reused")}
+
+
+def _take_over(out_dir: Path, point: Point, gone: LockHolder, log: Callable[[str], None],
+               tag: str) -> None:
+    """``point`` was claimed by ``gone``, a process judged gone: its run directory's lock is
+    taken over too (its last heartbeat may be a moment younger than the claim's)."""
+    RunLock(run_dir(out_dir, point)).take_over_from(gone)
+    record_event(out_dir, point.name, "takeover", holder=gone.describe())
+    log(f"{tag}: taken over from {gone.describe()}, which left it without releasing it")
 
 
 def finite(value: Any) -> bool:
@@ -483,6 +535,6 @@ def finite(value: Any) -> bool:
 
 
 __all__ = ["DataFingerprints", "check_runtime", "continue_command", "Point", "PointState", "Study", "StudyConflict",
-           "StudyInterrupted", "create_study", "open_study", "point_state", "read_events",
-           "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
+           "StudyInterrupted", "create_study", "events_file", "open_study", "point_state",
+           "read_events", "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
            "train_point"]

@@ -66,6 +66,12 @@ check), and on several ranks the all-reduce of the stop flag. Every step in betw
 queued without waiting for the device; a single process still stops right after the step
 in which a signal arrived (its flag is a host variable)."""
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, name))
+"""Signals that stop training after the current step with a checkpoint: Ctrl-C, SIGTERM, and
+the user signals a scheduler sends before a time limit or preemption (SLURM's ``--signal``;
+submitit's is SIGUSR2)."""
+
 WEIGHTS_NAME = {"raw": "raw", "ema": "EMA"}
 """How a log line names the weights of ``eval_weights``."""
 
@@ -366,8 +372,8 @@ class Trainer:
     # -- signals -------------------------------------------------------------------------
     @contextlib.contextmanager
     def stop_on_signals(self):
-        """While active, SIGINT / SIGTERM ask training to stop after the current step (a
-        second signal acts at once, as it would without this)."""
+        """While active, the :data:`STOP_SIGNALS` ask training to stop after the current step
+        (a second signal acts at once, as it would without this)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -377,7 +383,7 @@ class Trainer:
             self._stop_signal = signum
             signal.signal(signum, previous[signum])
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             previous[sig] = signal.signal(sig, request_stop)
         try:
             yield

@@ -1,0 +1,228 @@
+"""Launchers: start a study's workers on this machine or on a SLURM cluster, through submitit.
+
+The job is apart from the launcher (as in Hydra's submitit launcher): every worker is a
+:class:`StudyWorker`, which runs the study's claim loop (:func:`~.engine.run_study`) on the
+shared study directory; the claims decide which worker trains which point, so the launcher
+only decides how many workers run, where, and with which resources.
+
+* ``local`` -- ``workers`` processes on this machine (submitit's local executor: real
+  processes, the same path a SLURM task takes), each with ``OMP_NUM_THREADS`` set to its
+  share of the usable cores and, given ``gpus_per_task``, its own GPUs (without it, the
+  GPUs this process sees);
+* ``slurm`` -- one job array of ``workers`` tasks (``sbatch``), each task one node, one
+  process, ``cpus_per_task`` cores (its ``OMP_NUM_THREADS``) and ``gpus_per_task`` GPUs.
+
+Preemption and time limits: submitit asks SLURM to send SIGUSR2 ``signal_delay_s`` before a
+job's end. The trainer stops on it after the current step and writes a checkpoint
+(:data:`flarepp.train.loop.STOP_SIGNALS`); the worker then hands over to submitit, which
+requeues the same worker (:meth:`StudyWorker.checkpoint`); the point resumes from that
+checkpoint. SIGTERM alone (``scancel``) stops the worker the same way, without a requeue.
+A worker killed outright leaves its point to the others: on its host at once, from another
+host once its heartbeat is older than the claim's grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, point_state,
+                                        run_study)
+from flarepp.registry import Registry
+from flarepp.storage.locks import GRACE_S, HOST_ENV
+
+LOCAL_TIME_MIN = 60 * 24 * 365
+"""The local executor's time limit when none is given: none in practice."""
+
+INSTALL_HINT = "pip install 'flarepp[cluster]' (the PyPI package 'submitit')"
+
+
+class LauncherUnavailable(OSError):
+    """The launcher cannot start workers here (submitit missing, no SLURM)."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start a study's workers: the launcher's name (:data:`LAUNCHERS`), how many
+    workers, and the resources of each (SLURM: ``time_min`` the job's limit in minutes,
+    ``partition``, ``account``, ``qos``, ``sbatch`` further ``#SBATCH`` options as
+    ``(key, value)`` pairs); ``claim_grace_s`` and ``runtime`` are passed to every worker's
+    :func:`~.engine.run_study`."""
+
+    launcher: str = "local"
+    workers: int = 1
+    time_min: int | None = None
+    partition: str | None = None
+    gpus_per_task: int = 0
+    cpus_per_task: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    sbatch: tuple[tuple[str, str], ...] = ()
+    claim_grace_s: float = GRACE_S
+    runtime: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        LAUNCHERS.entry(self.launcher)  # an unknown name lists the known ones
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+
+
+class StudyWorker:
+    """One worker of a launched study: the claim loop on ``out_dir``, requeued by submitit
+    on preemption or at its time limit (it has submitit's ``checkpoint`` method)."""
+
+    def __init__(self, out_dir: str | Path, runtime: tuple[str, ...] = (),
+                 claim_grace_s: float = GRACE_S) -> None:
+        self.out_dir = str(out_dir)
+        self.runtime = list(runtime)
+        self.claim_grace_s = claim_grace_s
+
+    def __call__(self) -> dict[str, list[str]]:
+        from flarepp.experiments.studies import open_any_study
+        requeue = _preemption_handler()
+        try:
+            return run_study(open_any_study(self.out_dir), self.out_dir, runtime=self.runtime,
+                             claim_grace_s=self.claim_grace_s, log=_say)
+        except StudyInterrupted as err:
+            print(f"flarepp: {err}", flush=True)
+            if requeue is not None and err.signum == requeue[0]:
+                requeue[1](err.signum, None)  # submitit: checkpoint() below, requeue, exit
+            raise
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """What submitit resubmits on preemption: this same worker (its points' state is in
+        their checkpoints, not in the worker)."""
+        import submitit
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _preemption_handler() -> tuple[int, Callable[..., Any]] | None:
+    """The signal submitit requeues on and its handler, in a submitit job (else ``None``)."""
+    name = "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    if "SUBMITIT_EXECUTOR" not in os.environ or not hasattr(signal, name):
+        return None
+    signum = getattr(signal, name)
+    handler = signal.getsignal(signum)
+    return (signum, handler) if callable(handler) else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _submitit():
+    try:
+        import submitit
+    except ImportError:
+        raise LauncherUnavailable(f"--launcher needs submitit: {INSTALL_HINT}") from None
+    return submitit
+
+
+LAUNCHERS: Registry = Registry("launcher")
+
+
+@LAUNCHERS.register("local", doc="worker processes on this machine (submitit's local executor)")
+def local_jobs(spec: LaunchSpec, folder: Path, worker: StudyWorker) -> list[Any]:
+    executor = _submitit().LocalExecutor(folder)
+    setup = [f"export OMP_NUM_THREADS={max(1, usable_cores() // spec.workers)}"]
+    gpus = spec.gpus_per_task
+    if not gpus:  # submitit would hide every GPU: the workers see what this process sees
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        setup.append("unset CUDA_VISIBLE_DEVICES" if seen is None
+                     else f"export CUDA_VISIBLE_DEVICES={shlex.quote(seen)}")
+    jobs = []
+    for i in range(spec.workers):
+        executor.update_parameters(timeout_min=spec.time_min or LOCAL_TIME_MIN,
+                                   gpus_per_node=gpus,
+                                   visible_gpus=tuple(range(i * gpus, (i + 1) * gpus)),
+                                   setup=setup)
+        jobs.append(executor.submit(worker))
+    return jobs
+
+
+@LAUNCHERS.register("slurm", doc="a SLURM job array (sbatch) through submitit")
+def slurm_jobs(spec: LaunchSpec, folder: Path, worker: StudyWorker) -> list[Any]:
+    executor = _submitit().SlurmExecutor(folder)
+    options = {k: v for k, v in [("partition", spec.partition), ("account", spec.account),
+                                 ("qos", spec.qos), ("cpus_per_task", spec.cpus_per_task),
+                                 ("gpus_per_task", spec.gpus_per_task or None)]
+               if v is not None}
+    threads = spec.cpus_per_task or "${SLURM_CPUS_PER_TASK:-1}"
+    executor.update_parameters(
+        job_name="flarepp-sweep", time=spec.time_min, nodes=1, ntasks_per_node=1,
+        array_parallelism=spec.workers, additional_parameters=dict(spec.sbatch),
+        # each task names its own host: an id exported from the submitting shell would
+        # make every node judge the others' pids as its own
+        setup=[f"export OMP_NUM_THREADS={threads}", f"unset {HOST_ENV}"], **options)
+    return executor.submit_array([worker] * spec.workers)
+
+
+@dataclass
+class LaunchOutcome:
+    """What a launch did: its jobs; after waiting, the study's points by state (``done``,
+    ``failed``, ``pending``) and a sentence per worker that died."""
+
+    jobs: list[Any]
+    folder: Path
+    states: dict[str, list[str]] | None = None
+    died: list[str] | None = None
+
+
+def check_launcher(spec: LaunchSpec) -> None:
+    """Raise before anything is written when ``spec``'s workers cannot be started here:
+    submitit missing (:data:`INSTALL_HINT`), SLURM's commands missing, no time limit."""
+    _submitit()
+    if spec.launcher != "slurm":
+        return
+    if spec.time_min is None:
+        raise ValueError("--launcher slurm needs --time MINUTES (each job's time limit; a "
+                         "worker stopped by it is requeued and its point resumes)")
+    for tool in ("sbatch", "srun"):
+        if shutil.which(tool) is None:
+            raise LauncherUnavailable(f"--launcher slurm needs SLURM's {tool!r} on PATH and "
+                                      "finds none: run it where jobs are submitted (a login "
+                                      "node), or use --launcher local")
+
+
+def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool) -> LaunchOutcome:
+    """Create (or join) ``study`` in ``out_dir`` and start ``spec.workers`` workers on it;
+    with ``wait``, wait for them and read the points' states from the directory."""
+    from flarepp.experiments.engine import create_study
+    check_launcher(spec)
+    check_runtime(list(spec.runtime))
+    out_dir = Path(out_dir).resolve()  # the workers may start elsewhere
+    study = create_study(out_dir, study)
+    folder = out_dir / "launch"
+    worker = StudyWorker(out_dir, spec.runtime, spec.claim_grace_s)
+    jobs = LAUNCHERS.get(spec.launcher)(spec, folder, worker)
+    outcome = LaunchOutcome(jobs, folder)
+    if not wait:
+        return outcome
+    outcome.died = []
+    for i, job in enumerate(jobs):
+        try:
+            job.result()
+        except Exception as err:  # noqa: BLE001 -- submitit reports a dead job so
+            last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
+            outcome.died.append(f"worker {i + 1} (job {job.job_id}) ended without finishing: "
+                                f"{last[0]}; its log: {job.paths.stderr}")
+    outcome.states = {"done": [], "failed": [], "pending": []}
+    for point in study.points:
+        outcome.states[point_state(out_dir, point).status].append(point.name)
+    return outcome
+
+
+__all__ = ["INSTALL_HINT", "LAUNCHERS", "LaunchOutcome", "LaunchSpec", "LauncherUnavailable",
+           "StudyWorker", "check_launcher", "launch", "local_jobs", "slurm_jobs", "usable_cores"]
