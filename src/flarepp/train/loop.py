@@ -486,7 +486,7 @@ class Trainer:
             key = f"{split}_{headline}"
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
                 record.update(weight_metrics(split, headline, self.evaluate(split),
-                                             c.eval_weights))
+                                             c.eval_weights, self.task.reported))
                 record["eval_weights"] = c.eval_weights
             self.history.append(record)
             if self.is_writer:
@@ -519,7 +519,8 @@ class Trainer:
         results = {split: self.evaluate(split) for split in self.task.eval_splits}
         metrics: dict[str, Any] = {}
         for split, by_weights in results.items():
-            metrics.update(weight_metrics(split, headline, by_weights, chosen))
+            metrics.update(weight_metrics(split, headline, by_weights, chosen,
+                                          self.task.reported))
             if "zero_target_samples" in by_weights[chosen]:
                 metrics[f"{split}_zero_target_samples"] = \
                     by_weights[chosen]["zero_target_samples"]
