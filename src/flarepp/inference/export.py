@@ -24,6 +24,8 @@ export of SDPA can fix a dynamic dimension to the example's size, pytorch issue 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from flarepp.data import Normalizer
-from flarepp.io import atomic_write
+from flarepp.io import atomic_write, atomic_write_bytes
 from flarepp.inference.predictor import Predictor, load_predictor
 
 FORMATS = ("pt2", "onnx", "safetensors")
@@ -124,7 +126,9 @@ def export_pt2(module: PhysicalForward, path: Path) -> Callable:
     x, mask = example_inputs(int(module.input_shift.numel()), *EXAMPLE, padded=True)
     program = _exporting("torch.export", module, lambda: torch.export.export(
         module, (x, mask), dynamic_shapes=_dynamic_shapes()))
-    atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+    buffer = io.BytesIO()       # torch.export.save names a file by its .pt2 suffix
+    torch.export.save(program, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
     loaded = torch.export.load(path).module()
     return lambda x, mask: loaded(x, mask).detach().numpy()
 
@@ -137,9 +141,10 @@ def export_onnx(module: PhysicalForward, path: Path) -> Callable:
     x, mask = example_inputs(int(module.input_shift.numel()), *EXAMPLE, padded=True)
 
     def write(tmp: Path) -> None:
-        program = _exporting("the dynamo ONNX exporter", module, lambda: torch.onnx.export(
-            module, (x, mask), dynamo=True, dynamic_shapes=_dynamic_shapes(),
-            input_names=["x", "mask"], output_names=["y"], verbose=False))
+        with contextlib.redirect_stdout(io.StringIO()):   # the exporter's progress lines
+            program = _exporting("the dynamo ONNX exporter", module, lambda: torch.onnx.export(
+                module, (x, mask), dynamo=True, dynamic_shapes=_dynamic_shapes(),
+                input_names=["x", "mask"], output_names=["y"], verbose=False))
         program.save(str(tmp))
     atomic_write(path, write)
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
