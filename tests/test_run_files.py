@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,7 +151,8 @@ def test_provenance_names_versions_devices_host_and_command():
     assert record["torch"] == torch.__version__ and record["cuda"] == torch.version.cuda
     assert re.fullmatch(r"[0-9a-f]{40}", record["git"]["commit"] or "")
     assert record["devices"][0].startswith("cpu (") and record["host"]
-    assert "pytest" in record["command"] and record["parallel"] == "single process"
+    assert record["command"] == shlex.join(sys.orig_argv)
+    assert record["parallel"] == "single process"
     assert json.loads(json.dumps(record)) == record
 
 

@@ -220,6 +220,10 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
                  str(tmp_path / "eval.json")]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["test_nmse"] == pytest.approx(metrics["test_nmse"], rel=1e-5)
+    for key in ("test_rel_l2", "test_drag_r2", "test_lift_r2"):   # beside the headline
+        assert evaluated[key] == pytest.approx(metrics[key], rel=1e-5, nan_ok=True)
+    assert {"drag_pred", "drag_true", "lift_pred", "lift_true"} <= set(cases[0])
+    assert cases[0]["quantity"] == "per unit dynamic pressure (m^2)"  # generated: U stated
     (tmp_path / "hidden").mkdir()
     assert main(["infer", str(checkpoint), "--data", data, "--chunk-size", "300",
                  "--hidden-on", "memmap", "--memmap-dir", str(tmp_path / "hidden"),
