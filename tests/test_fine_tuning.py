@@ -13,21 +13,20 @@ from flarepp.cli import main as cli
 from flarepp.storage.checkpoint import CheckpointError, read_checkpoint, rebuild_model
 from flarepp.storage.rundir import RunDir
 
-TINY = ["epochs=1", "batch_size=4", "model.dim=16", "model.heads=2", "model.blocks=1",
-        "model.latents=4", "device=cpu",
-        "dataset_options={'resolution': 9, 'n_train': 8, 'n_test': 4}"]
+from tiny_runs import TINY as BASE
+
+TINY = [*BASE, "epochs=1", "model.dim=16"]
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    """A 1-epoch darcy-tiny run, and a second data set of other coefficients."""
+    """A 1-epoch darcy-tiny run (``root/run`` on ``root/data``) and a second data set of
+    other coefficients (``root/other``)."""
     from flarepp.data.generators.darcy import make_darcy
-    from flarepp.train import get_preset, train
+    from tiny_runs import tiny_darcy_run
     root = tmp_path_factory.mktemp("tune")
-    make_darcy(root / "data", n_train=8, n_test=4, resolution=9, seed=3, progress=False)
+    tiny_darcy_run(root, "epochs=1", "model.dim=16")
     make_darcy(root / "other", n_train=8, n_test=4, resolution=9, seed=5, progress=False)
-    train(get_preset("darcy-tiny", TINY), root / "run", data_root=root / "data",
-          progress=False)
     return root
 
 

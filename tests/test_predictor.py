@@ -24,21 +24,11 @@ from flarepp.cli import main as cli
 from flarepp.data import Normalizer
 from flarepp.inference.predictor import InputLayout, Predictor, PredictorError
 
-TINY = ["epochs=2", "batch_size=4", "model.dim=16", "model.heads=2", "model.blocks=1",
-        "model.latents=4", "device=cpu",
-        "dataset_options={'resolution': 9, 'n_train': 8, 'n_test': 4}"]
-
-
 @pytest.fixture(scope="module")
 def darcy_run(tmp_path_factory):
-    """A 2-epoch FLARE++ darcy-tiny run at 9 x 9: (data, run directory)."""
-    from flarepp.data.generators.darcy import make_darcy
-    from flarepp.train import get_preset, train
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root / "data", n_train=8, n_test=4, resolution=9, seed=3, progress=False)
-    train(get_preset("darcy-tiny", TINY), root / "run", data_root=root / "data",
-          progress=False)
-    return root / "data", root / "run"
+    """A 2-epoch FLARE++ darcy-tiny run at 9 x 9 (width 16): (data, run directory)."""
+    from tiny_runs import tiny_darcy_run
+    return tiny_darcy_run(tmp_path_factory.mktemp("darcy"), "model.dim=16")
 
 
 def new_mesh(n: int, samples: int | None = None, seed: int = 7) -> tuple[np.ndarray, ...]:

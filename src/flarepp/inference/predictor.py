@@ -362,7 +362,7 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
 
     Raises one sentence for a path that is no run and no checkpoint, and for a run whose
     task does not map mesh points to fields (no stored normalisers)."""
-    from flarepp.storage.checkpoint import CheckpointError, read_checkpoint, rebuild_model
+    from flarepp.storage.checkpoint import mesh_normalizers, read_checkpoint, rebuild_model
     from flarepp.storage.config import RunConfig
     from flarepp.storage.rundir import NotARunDirectory, RunDir
     path = Path(path)
@@ -375,15 +375,7 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
         raise NotARunDirectory(f"{str(path)!r} does not exist: give a flarepp run directory "
                                "or a checkpoint file")
     state = read_checkpoint(path)
-    norms = state["normalizers"]
-    if not (isinstance(norms, dict) and "x" in norms and "y" in norms):
-        config = state["config"] if isinstance(state["config"], dict) else {}
-        task = config.get("task", "fields")
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is a run of the {task!r} task, whose model does not "
-            "map mesh points to fields (it stores no input and output normalisers); score "
-            "it with `flarepp eval`" + (", sample from it with `flarepp generate`"
-                                        if task == "lm" else ""))
+    norms = mesh_normalizers(state, path)
     if weights not in (None, "raw", "ema"):
         raise ValueError(f"weights must be 'raw' or 'ema' (default: those the run reports), "
                          f"got {weights!r}")

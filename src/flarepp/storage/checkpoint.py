@@ -279,10 +279,10 @@ def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None =
     return model.eval()
 
 
-def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
-    """Rebuild the model from a checkpoint alone (by default with the weights the run
-    reports, :func:`rebuild_model`)."""
-    state = read_checkpoint(path)
+def mesh_normalizers(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The stored normalisers of a model that maps mesh points to fields (``x``, ``y``, and
+    ``conditions`` when stored); a sentence for a run of another task (lm, sequence,
+    rollout: they store none)."""
     norms = state["normalizers"]
     if not (isinstance(norms, dict) and "x" in norms and "y" in norms):
         config = state["config"] if isinstance(state["config"], dict) else {}
@@ -292,6 +292,14 @@ def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedM
             "map mesh points to fields (it stores no input and output normalisers); score "
             "it with `flarepp eval`" + (", sample from it with `flarepp generate`"
                                         if task == "lm" else ""))
+    return norms
+
+
+def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
+    """Rebuild the model from a checkpoint alone (by default with the weights the run
+    reports, :func:`rebuild_model`)."""
+    state = read_checkpoint(path)
+    mesh_normalizers(state, path)
     model = rebuild_model(state, path, ema=ema)
     data = state.get("data", {})
     return TrainedModel(model, RunConfig.from_stored(state["config"]),
@@ -317,7 +325,7 @@ def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None =
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
            "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_causal_lm",
-           "load_trained_model", "rebuild_model",
+           "load_trained_model", "mesh_normalizers", "rebuild_model",
            "newest_readable_checkpoint", "portable_state", "prune_checkpoints",
            "read_checkpoint", "remove_stale_temporaries", "save_checkpoint",
            "checkpoint_epoch"]
