@@ -19,21 +19,22 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Floors from the ground up; a module may import its own floor and those before it.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("flarepp.registry", "flarepp.validate", "flarepp.device", "flarepp.io",
-              "flarepp.paper", "flarepp.allocator")),
+              "flarepp.paper", "flarepp.allocator", "flarepp.version")),
     ("ops", ("flarepp.ops",)),
     ("mixers", ("flarepp.mixers",)),
     ("models", ("flarepp.models", "flarepp.rank_growth")),
     ("distributed", ("flarepp.distributed",)),
     ("data", ("flarepp.data",)),
-    ("plots", ("flarepp.plots", "flarepp.plots3d")),
     ("storage", ("flarepp.storage",)),
+    ("plots", ("flarepp.plots", "flarepp.plots3d")),
     ("tasks", ("flarepp.tasks",)),
     ("inference", ("flarepp.inference",)),
     ("train", ("flarepp.train",)),
     ("experiments", ("flarepp.experiments", "flarepp.bench")),
     ("cli", ("flarepp.cli", "flarepp.__main__")),
+    ("api", ("flarepp.api",)),
 ]
-PACKAGE_ROOT = "models"   # `import flarepp` gives the public API: mixers, models, ops
+PACKAGE_ROOT = "api"   # `import flarepp`: the public API (mixers, models, ops, flarepp.load)
 
 
 def module_name(path: Path) -> str:

@@ -27,9 +27,7 @@ from flarepp.cli import main as cli
 from flarepp.storage.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-TINY = ["epochs=2", "batch_size=4", "model.dim=8", "model.heads=2", "model.blocks=1",
-        "model.latents=4", "device=cpu",
-        "dataset_options={'resolution': 9, 'n_train': 8, 'n_test': 4}"]
+from tiny_runs import TINY  # noqa: E402  (tests/ is on sys.path: conftest)
 
 
 def sets(items):
@@ -61,13 +59,9 @@ def _python(code: str, **kwargs) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def darcy_run(tmp_path_factory):
     """A 2-epoch darcy-tiny run at 9 x 9 (data, run directory, final checkpoint)."""
-    from flarepp.data.generators.darcy import make_darcy
-    from flarepp.train import get_preset, train
-    root = tmp_path_factory.mktemp("darcy")
-    make_darcy(root / "data", n_train=8, n_test=4, resolution=9, seed=3, progress=False)
-    train(get_preset("darcy-tiny", TINY), root / "run", data_root=root / "data",
-          progress=False)
-    return root / "data", root / "run", root / "run" / "checkpoints" / "epoch_0002.pt"
+    from tiny_runs import tiny_darcy_run
+    data, run = tiny_darcy_run(tmp_path_factory.mktemp("darcy"))
+    return data, run, run / "checkpoints" / "epoch_0002.pt"
 
 
 # ---------------------------------------------------------------------------------------------

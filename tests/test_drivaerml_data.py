@@ -262,8 +262,9 @@ def test_cache_write_is_atomic_meta_last(two_cars):
     (folder / "fields.npy").write_bytes(b"half written")
     car = surfaces.load("run_8")
     assert car.fields.shape == (6, 4)
-    assert sorted(p.name for p in folder.iterdir()) == ["centres.npy", "fields.npy",
-                                                         "meta.json", "normals.npy"]
+    assert sorted(p.name for p in folder.iterdir()) == ["areas.npy", "centres.npy",
+                                                         "fields.npy", "meta.json",
+                                                         "normals.npy"]
 
 
 # ---------------------------------------------------------------------------------------------

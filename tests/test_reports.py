@@ -20,6 +20,7 @@ from flarepp.experiments.reports import (REPORTS, Row, collect, read_results, st
 from flarepp.experiments.reports import cost, curves, runs, stats, tables
 from flarepp.experiments.reports.rows import results_text
 from flarepp.experiments.studies import SWEEP_REPORTS
+from flarepp.storage.rundir import RunDir
 from report_fixtures import fake_studies
 
 
@@ -117,7 +118,7 @@ def test_rollout_error_by_step_is_the_mean_over_trajectories_then_seeds(tmp_path
         mine = [r for r in rows if r.labels["preset"] == preset]
         per_seed = []
         for r in mine:
-            with np.load(run_dir(out, r.point) / curves.ROLLOUT_NAME) as f:
+            with np.load(RunDir(run_dir(out, r.point)).file(RunDir.ROLLOUT, split="test")) as f:
                 per_seed.append([sum(col) / len(col) for col in f["rel_l2"].T])
         got = [line for line in table if line["preset"] == preset]
         assert len(got) == len(per_seed[0]) == 6

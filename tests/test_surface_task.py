@@ -149,7 +149,8 @@ def test_subsets_are_seeded_uniform_without_replacement_and_fresh_every_step(dat
 def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     """The test value: per car 100 x the mean over all its cells and 4 channels of the
     squared standardised error, averaged over the cars; per channel likewise. Computed here
-    from the raw files and a plain forward of every cell. Records hold no per-cell arrays."""
+    from the raw files and a plain forward of every cell. Records hold per-car numbers only
+    (errors, forces), no per-cell arrays."""
     task = build_task(config(data), data)
     inputs, targets = hand_normalisation(data, task)
     torch.manual_seed(1)
@@ -169,7 +170,8 @@ def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     assert list(metrics["nmse_channels"].values()) == pytest.approx(per_car.mean(0).tolist(),
                                                                     rel=1e-4)
     assert metrics["runs"] == task.data.cars("test")
-    assert sorted(records) == ["cells", "index", "sse"] and records["sse"].shape == (2, 4)
+    assert sorted(records) == ["cells", "force_pred", "force_true", "index", "rel_l2", "sse"]
+    assert records["sse"].shape == (2, 4) and records["force_pred"].shape == (2, 3)
 
 
 @pytest.mark.slow
@@ -218,6 +220,10 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
                  str(tmp_path / "eval.json")]) == 0
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     assert evaluated["test_nmse"] == pytest.approx(metrics["test_nmse"], rel=1e-5)
+    for key in ("test_rel_l2", "test_drag_r2", "test_lift_r2"):   # beside the headline
+        assert evaluated[key] == pytest.approx(metrics[key], rel=1e-5, nan_ok=True)
+    assert {"drag_pred", "drag_true", "lift_pred", "lift_true"} <= set(cases[0])
+    assert cases[0]["quantity"] == "per unit dynamic pressure (m^2)"  # generated: U stated
     (tmp_path / "hidden").mkdir()
     assert main(["infer", str(checkpoint), "--data", data, "--chunk-size", "300",
                  "--hidden-on", "memmap", "--memmap-dir", str(tmp_path / "hidden"),

@@ -18,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.tri as mtri  # noqa: E402
 import numpy as np  # noqa: E402
 
+from flarepp.storage.rundir import RunDir  # noqa: E402
+
 
 def _triangulation(xy: np.ndarray) -> mtri.Triangulation:
     tri = mtri.Triangulation(xy[:, 0], xy[:, 1])
@@ -37,7 +39,8 @@ def _panel(ax, values, coords, grid_shape, mask, **kw):
 
 
 def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
-    """One figure per chosen test case (best, median, worst by relative L2)."""
+    """One figure per chosen test case (best, median, worst by relative L2) and channel,
+    in the run directory ``out_dir`` (:meth:`RunDir.case_figure`)."""
     data = np.load(pred_path)
     pred, true, coords, rel = data["pred"], data["true"], data["coords"], data["rel_l2"]
     mask = data["mask"] if "mask" in data else None
@@ -72,14 +75,11 @@ def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
                              label="error [% of reference RMS]" if title == "signed error"
                              else label)
             fig.suptitle(f"test case {case}: relative L2 = {100 * rel[case]:.2f}%")
-            path = out_dir / f"case_{case:04d}_ch{ch}.png"
+            path = RunDir(out_dir).case_figure(case, ch)
             fig.savefig(path, dpi=110)
             plt.close(fig)
             written.append(path)
     return written
-
-
-CURVES_FILE = "curves.png"
 
 
 @dataclass(frozen=True)
@@ -114,21 +114,12 @@ class Panel:
     references: tuple[tuple[float, str, str], ...] = ()
 
 
-def read_log(run_dir: str | Path) -> list[dict]:
-    """The records of a run's ``log.jsonl`` (one per epoch)."""
-    log = Path(run_dir) / "log.jsonl"
-    if not log.is_file():
-        raise FileNotFoundError(f"{str(log)!r} not found: is {str(run_dir)!r} a flarepp run?")
-    from flarepp.io import read_json_lines
-    return read_json_lines(log)
-
-
 def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
     """``curves.png`` of a run: one axis per panel, each series against epoch (a series
     absent from the log is left out; sparse ones, e.g. evaluations every few epochs, get
     markers). Every task draws its training curves through this one function."""
-    run_dir = Path(run_dir)
-    records = read_log(run_dir)
+    run = RunDir(run_dir)
+    records = run.read_log()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8),
                              constrained_layout=True, squeeze=False)
     for ax, panel in zip(axes[0], panels):
@@ -147,7 +138,7 @@ def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
         ax.set_xlabel("epoch"), ax.set_ylabel(panel.ylabel), ax.grid(alpha=.3)
         if len(panel.series) + len(panel.references) > 1:
             ax.legend()
-    path = run_dir / CURVES_FILE
+    path = run.curves
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -156,16 +147,15 @@ def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
 def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> list[Path]:
     """The figures of a fields run: ``cases`` test cases (truth, prediction, error) and its
     training curves."""
-    run_dir = Path(run_dir)
-    pred = run_dir / "test_predictions.npz"
+    run = RunDir(run_dir)
+    pred = run.predictions("test")
     if not pred.is_file():
         raise FileNotFoundError(f"{str(pred)!r} not found: is {str(run_dir)!r} a finished "
                                 "flarepp run directory?")
-    written = plot_cases(pred, run_dir, cases)
-    if (run_dir / "log.jsonl").is_file():
-        written.append(plot_curves(run_dir, panels))
+    written = plot_cases(pred, run.path, cases)
+    if run.has_log():
+        written.append(plot_curves(run.path, panels))
     return written
 
 
-__all__ = ["CURVES_FILE", "Panel", "Series", "plot_cases", "plot_curves", "plot_field_run",
-           "read_log", "weight_series"]
+__all__ = ["Panel", "Series", "plot_cases", "plot_curves", "plot_field_run", "weight_series"]

@@ -41,6 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 
+from flarepp.storage.rundir import RunDir  # noqa: E402
 from flarepp.data.drivaerml import (CHUNK_CELLS, SurfacePolygons,  # noqa: E402
                                     polygon_centres_and_normals, read_vtp)
 
@@ -394,7 +395,8 @@ def plot_surface_case(surface, truth_N4: np.ndarray, predictions: Mapping[str, n
         bottom = [(f"{name}: |error|, RMS {np.sqrt(np.mean(e[visible] ** 2)):.2f}%",
                    renderer.render(e, ERROR_CMAP, (0.0, error_limit)))
                   for name, e in errors.items()]
-        path = out_dir / f"{quantity.file_name}{'_' + case_name if case_name else ''}.png"
+        path = RunDir(out_dir).figure(f"{quantity.file_name}"
+                                      f"{'_' + case_name if case_name else ''}")
         _compose(path, top, bottom, quantity.label, field_limits, error_limit,
                  f"{case_name}  ({backend}, {int(visible.sum())} of {n} cells visible)")
         paths.append(path)
@@ -475,7 +477,7 @@ def plot_surface_cases(surfaces: Sequence, truths: Sequence[np.ndarray],
 # ---------------------------------------------------------------------------------------------
 # a surface run's figures
 
-CASE_FILE = "surface_case.npz"
+CASE_FILE = RunDir.SURFACE_CASE
 """The case a finished surface run saved for Figures 13-14 (prediction and reference)."""
 
 
@@ -493,24 +495,22 @@ def plot_surface_run(run_dir: str | Path, *, backend: str = "auto") -> list[Path
     """Figures 13-14 of a finished surface run (reference, prediction and |error| in % of
     the reference RMS over the visible cells, for ``p_s`` and ``|tau_w|``), from its
     ``surface_case.npz`` and the case's ``.vtp``, and ``curves.png``."""
-    run_dir = Path(run_dir)
-    path = run_dir / CASE_FILE
+    run = RunDir(run_dir)
+    path = run.file(CASE_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} not found: is {str(run_dir)!r} a finished "
                                 "surface run?")
     with np.load(path) as case:
         pred, truth = case["pred"], case["truth"]
-        run, source, nmse = str(case["run"]), Path(str(case["source"])), float(case["nmse"])
+        car, source, nmse = str(case["run"]), Path(str(case["source"])), float(case["nmse"])
     if not source.is_file():
         raise FileNotFoundError(f"{str(source)!r}, the surface of the case in {str(path)!r}, "
                                 "is gone: the figures draw its polygons")
-    from flarepp.io import read_json
-    config = read_json(run_dir / "config.json")
-    label = f"{model_label(config)} ({nmse:.3g}%)"
-    paths = plot_surface_case(source, truth, {label: pred}, run_dir, case_name=run,
+    label = f"{model_label(run.read_config().to_dict())} ({nmse:.3g}%)"
+    paths = plot_surface_case(source, truth, {label: pred}, run.path, case_name=car,
                               backend=backend)
-    if (run_dir / "log.jsonl").is_file():
-        paths.append(plot_surface_curves(run_dir))
+    if run.has_log():
+        paths.append(plot_surface_curves(run.path))
     return paths
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 def _demo(args: argparse.Namespace) -> int:
     from flarepp.data.generators.darcy import make_darcy
+    from flarepp.storage.rundir import RunDir
     from flarepp.tasks import plot_run_dir
     from flarepp.train import get_preset, train
     from flarepp.train.loop import WEIGHTS_NAME
@@ -30,7 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
           f"{100 * metrics[f'test_rel_l2_{other}']:.2f}%, train "
           f"{100 * metrics[f'train_rel_l2_{other}']:.2f}%)  params: {metrics['params']:,}  "
           f"time: {metrics['seconds']:.0f} s")
-    print(f"metrics: {out / 'metrics.json'}")
+    print(f"metrics: {RunDir(out).metrics_path}")
     print("figures: " + ", ".join(str(p) for p in figures))
     return 0
 

@@ -123,8 +123,9 @@ def _generate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a trained causal LM checkpoint "
                                         "(e.g. of the lm-tiny preset)")
-    p.add_argument("checkpoint", help="a run's checkpoint, e.g. runs/lm-tiny/checkpoints/"
-                                      "epoch_0008.pt")
+    from flarepp.storage.rundir import RunDir
+    p.add_argument("checkpoint", help=f"a run's checkpoint, e.g. "
+                                      f"runs/lm-tiny/{RunDir.CHECKPOINTS}/epoch_0008.pt")
     p.add_argument("--prompt", default="def ", help="text to continue (UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=at_least(0), default=200,
                    help="bytes to generate (default 200), written as they are sampled")

@@ -72,7 +72,7 @@ def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool) -> i
     """Launch ``spec``'s workers on ``study`` in ``out``; say what they did (exit 1 when a
     point is left pending or a worker died, 0 otherwise)."""
     from flarepp.experiments.launch import launch
-    from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import open_any_study
     study = open_any_study(out) if study is None else study
     wait = wait or spec.launcher == "local"

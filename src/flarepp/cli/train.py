@@ -30,11 +30,15 @@ def _train(args: argparse.Namespace) -> int:
         raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or "
                        f"{how_to_get(config.dataset, str(data))})")
     out = check_output(args.out or f"runs/{config.name}", directory=True)
+    if args.init_from and args.resume:
+        raise CLIError("--init-from starts a new run from another run's weights; --resume "
+                       "continues this run from its own checkpoint: give one of them")
     device = resolve_device(config.device)
     with launch(device, data_parallel=args.data_parallel,
                 context_parallel=args.context_parallel) as plan:
         trainer = Trainer(config, out, data_root=data, resume=args.resume,
-                          progress=not args.quiet, parallel=plan, device=device)
+                          progress=not args.quiet, parallel=plan, device=device,
+                          init_from=args.init_from, init_normalizers=args.init_normalizers)
         if trainer.is_writer and not args.quiet:
             print(f"training {config.name} ({config.model.get('mixer')}, {config.precision}) "
                   f"on {device}, {plan.describe()}, into {out}", flush=True)
@@ -54,6 +58,7 @@ def _train(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace, overrides: list[str]):
     """The run's config, checked before any data is read: a preset, a run's own
     ``config.json`` (``--config``), or the ``npz`` preset for ``--data`` alone."""
+    from flarepp.storage.rundir import RunDir
     from flarepp.train import RunConfig, apply_overrides, get_preset
     if args.config and args.preset:
         raise CLIError("give a preset or --config, not both")
@@ -65,18 +70,18 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
             raise CLIError(f"--config {str(path)!r}: cannot read a run config ({err})") from None
         if not isinstance(stored, dict):
             raise CLIError(f"--config {str(path)!r}: expected a JSON object (a run's "
-                           "config.json)")
-        # A run directory's own config.json was stored by a run (an unversioned one trained
-        # the legacy protocol); any other file is a user's, with today's defaults.
-        read = (RunConfig.from_stored if (path.parent / "checkpoints").is_dir()
-                else RunConfig.from_dict)
+                           f"{RunDir.CONFIG})")
+        # A run directory's own config was stored by a run (an unversioned one trained the
+        # legacy protocol); any other file is a user's, with today's defaults.
+        run = RunDir(path.parent)
+        read = RunConfig.from_stored if run.checkpoint_dir.is_dir() else RunConfig.from_dict
         try:
             return apply_overrides(read(stored), overrides)
         except ValueError as err:
             raise CLIError(f"--config {str(path)!r}: {err}") from None
     if args.preset is None and not args.data:
-        raise CLIError("give a preset (see `flarepp presets`), --config RUN/config.json, or "
-                       "--data YOUR.npz")
+        raise CLIError(f"give a preset (see `flarepp presets`), --config RUN/{RunDir.CONFIG}, "
+                       "or --data YOUR.npz")
     return get_preset(args.preset or "npz", overrides)
 
 
@@ -94,9 +99,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from flarepp.storage.rundir import RunDir
     from flarepp.tasks import plot_run_dir
     run_dir = Path(args.run_dir)
-    if (run_dir / "config.json").is_file() and not (run_dir / "metrics.json").is_file():
+    if RunDir(run_dir).config_path.is_file() and not RunDir(run_dir).has_metrics():
         # A run stopped before its end has no final outputs: predict them from its newest
         # readable checkpoint (the only step of `plot` that runs a model, on --device).
         from flarepp.storage.checkpoint import newest_readable_checkpoint
@@ -123,13 +129,16 @@ def _context_parallel(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.storage.rundir import RunDir
     from flarepp.train import PRESETS
+    from flarepp.train.loop import INIT_NORMALIZERS
     p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
     p.add_argument("preset", nargs="?",
                    help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
                         "npz, your own data)")
     p.add_argument("--config", metavar="CONFIG_JSON",
-                   help="train the config a run wrote (RUN/config.json) instead of a preset")
+                   help=f"train the config a run wrote (RUN/{RunDir.CONFIG}) instead of a "
+                        "preset")
     p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
     p.add_argument("--out", help="run directory (default: runs/PRESET)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -142,6 +151,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=at_least(0), metavar="W",
                    help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--init-from", metavar="RUN",
+                   help="fine-tune: start from this run's weights (a run directory or a "
+                        "checkpoint; the same architecture) with a new optimiser on --data")
+    p.add_argument("--init-normalizers", choices=INIT_NORMALIZERS, default="keep",
+                   help="with --init-from: keep its input/output normalisers (default) or "
+                        "refit them on this run's training data")
     p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
                    help="stop after this many epochs (resume later with --resume)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
@@ -158,7 +173,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="dataset directory (default: the run's)")
-    e.add_argument("--json", help="write the metrics here (same keys as metrics.json)")
+    e.add_argument("--json", help=f"write the metrics here (same keys as {RunDir.METRICS})")
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
     e.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="stream each mesh through the model K points at a time (exact)")

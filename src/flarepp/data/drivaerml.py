@@ -19,8 +19,10 @@ Shape letters: N cells of one surface, P its points, K vertices of one polygon.
   polygons are handled alike.
 * **Cache.** Reading an 8.8M-cell ``.vtp`` takes far longer than a training step, so each car
   is converted once into ``<cache>/run_<i>/`` holding ``centres.npy`` [N, 3], ``normals.npy``
-  [N, 3], ``fields.npy`` [N, 4] (float32) and ``meta.json``, written through temporary files
-  and renames, ``meta.json`` last. ``meta.json`` records the source file's size, its
+  [N, 3], ``areas.npy`` [N] (the cells' areas, for integrated forces), ``fields.npy`` [N, 4]
+  (float32) and ``meta.json``, written through temporary files and renames, ``meta.json``
+  last; ``meta.json`` also keeps the free-stream velocity a file states (the ``flarepp``
+  field data of generated surfaces; the released files state none). ``meta.json`` records the source file's size, its
   modification time, a hash of its header and of blocks sampled through it
   (:func:`sampled_digest`: an edited file whose size and time were restored is seen too) and
   the array names, so a changed source (or other field names) is converted again; later
@@ -43,7 +45,7 @@ import json
 import os
 import re
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -58,7 +60,7 @@ WALL_SHEAR_ARRAY = "wallShearStressMeanTrim"
 FIELD_NAMES = ("p_s", "tau_x", "tau_y", "tau_z")   # the 4 target channels, in this order
 FIELD_UNITS = "m^2/s^2"                             # kinematic: divided by the density
 SPLIT_NAMES = ("train", "val", "test")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2                 # 2: cell areas and the stated free stream
 CACHE_DIR_NAME = ".flarepp_cache"
 CHUNK_CELLS = 1 << 20        # cells per chunk when computing geometry or statistics
 RUN_ID = re.compile(r"run_(\d+)")
@@ -116,6 +118,7 @@ class SurfacePolygons:
     offsets: np.ndarray
     connectivity: np.ndarray
     cell_arrays: dict[str, np.ndarray]
+    field_data: dict = field(default_factory=dict)   # the ``flarepp`` record, if written
 
     @property
     def n_cells(self) -> int:
@@ -165,11 +168,16 @@ def read_vtp(path: str | Path, arrays: Sequence[str] | None = None) -> SurfacePo
             raise DataError(f"{path}: cell array {name!r} has {len(values)} values for "
                             f"{n_cells} cells")
         cell_arrays[name] = values
+    record = polydata.GetFieldData().GetAbstractArray("flarepp")
+    try:
+        field_data = json.loads(record.GetValue(0)) if record is not None else {}
+    except (AttributeError, ValueError):  # another tool's array of that name: not ours
+        field_data = {}
     surface = SurfacePolygons(
         points=numpy_support.vtk_to_numpy(polydata.GetPoints().GetData()),
         offsets=numpy_support.vtk_to_numpy(polys.GetOffsetsArray()).astype(np.int64),
         connectivity=numpy_support.vtk_to_numpy(polys.GetConnectivityArray()).astype(np.int64),
-        cell_arrays=cell_arrays)
+        cell_arrays=cell_arrays, field_data=field_data)
     check_cells(surface, path)
     return surface
 
@@ -348,14 +356,17 @@ def load_split(path: str | Path | None = None) -> dict[str, list[str]]:
 
 @dataclass
 class SurfaceCar:
-    """One car: ``centres [N, 3]``, unit ``normals [N, 3]`` and ``fields [N, 4]`` = (p_s,
-    tau_x, tau_y, tau_z) in m^2/s^2, float32 arrays memory-mapped from the cache."""
+    """One car: ``centres [N, 3]``, unit ``normals [N, 3]``, cell ``areas [N]`` (m^2) and
+    ``fields [N, 4]`` = (p_s, tau_x, tau_y, tau_z) in m^2/s^2, float32 arrays memory-mapped
+    from the cache; ``free_stream`` the velocity (m/s) the file states, or None."""
 
     car: str
     source: Path
     centres: np.ndarray
     normals: np.ndarray
     fields: np.ndarray
+    areas: np.ndarray
+    free_stream: tuple[float, float, float] | None = None
 
     @property
     def n_cells(self) -> int:
@@ -494,15 +505,17 @@ class DrivAerMLSurfaces:
             return None
         n = meta["n_cells"]
         arrays = []
-        for name, width in (("centres", 3), ("normals", 3), ("fields", 4)):
+        for name, shape in (("centres", (n, 3)), ("normals", (n, 3)), ("fields", (n, 4)),
+                            ("areas", (n,))):
             try:
                 array = np.load(folder / f"{name}.npy", mmap_mode="r")
             except (FileNotFoundError, ValueError):
                 return None
-            if array.shape != (n, width) or array.dtype != np.float32:
+            if array.shape != shape or array.dtype != np.float32:
                 return None
             arrays.append(array)
-        return tuple(arrays)
+        stream = meta.get("free_stream")
+        return (*arrays, None if stream is None else tuple(float(v) for v in stream))
 
     def convert(self, car: str) -> Path:
         """Read ``car``'s ``.vtp``, check it, and write its cache folder (module docstring)."""
@@ -534,17 +547,22 @@ class DrivAerMLSurfaces:
             raise DataError(f"cannot write the cache {folder} ({err}); pass cache_dir= a "
                             "writable directory") from err
         centres, normals = np.empty((n, 3), np.float32), np.empty((n, 3), np.float32)
+        areas = np.empty(n, np.float32)
         for start in range(0, n, CHUNK_CELLS):          # bounded float64 temporaries
             stop = min(start + CHUNK_CELLS, n)
             try:
-                centres[start:stop], normals[start:stop], _ = polygon_centres_and_normals(
-                    surface.points, surface.offsets, surface.connectivity, start, stop)
+                centres[start:stop], normals[start:stop], areas[start:stop] = \
+                    polygon_centres_and_normals(surface.points, surface.offsets,
+                                                surface.connectivity, start, stop)
             except ValueError as err:
                 raise DataError(f"{source}: {err}") from None
         write_atomically({folder / "centres.npy": lambda h: np.save(h, centres),
                           folder / "normals.npy": lambda h: np.save(h, normals),
+                          folder / "areas.npy": lambda h: np.save(h, areas),
                           folder / "fields.npy": lambda h: np.save(h, fields.astype(np.float32))})
         meta["n_cells"] = n
+        if "free_stream" in surface.field_data:
+            meta["free_stream"] = [float(v) for v in surface.field_data["free_stream"]]
         write_atomically({folder / "meta.json":
                           lambda h: h.write(json.dumps(meta, indent=1).encode())})
         return folder

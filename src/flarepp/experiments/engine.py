@@ -52,15 +52,16 @@ from typing import Any, Callable, Iterator
 
 from flarepp.io import atomic_write_json
 from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import (GRACE_S, Lease, LockHolder, RunLock, RunLocked, file_safe,
-                                   host_id)
+from flarepp.storage.locks import (GRACE_S, LOCK_NAME, Lease, LockHolder, RunLock, RunLocked,
+                                   file_safe, host_id)
+from flarepp.storage.rundir import RunDir
 from flarepp.train.checks import apply_overrides
 
 STUDY_NAME = "study.json"
 EVENTS_DIR = "events"
 EVENTS_NAME = "events.jsonl"  # the single log of a study an earlier flarepp started
-FAILED_NAME = "failed.json"
-COST_NAME = "cost.json"
+FAILED_NAME = RunDir.FAILED
+COST_NAME = RunDir.COST
 FORMAT = 1
 
 
@@ -290,10 +291,9 @@ def read_failure(directory: Path) -> dict[str, Any] | None:
     """The final failure recorded in ``directory`` (``failed.json``), or None. Only a
     numerical failure is final; a ``failed.json`` an earlier flarepp wrote for any other
     error (a full disk, a locked directory) is not, and the point is retried."""
-    path = directory / FAILED_NAME
-    if not path.is_file():
+    record = RunDir(directory).read_failure()
+    if record is None:
         return None
-    record = json.loads(path.read_text())
     return record if record.get("type", "FloatingPointError") == "FloatingPointError" else None
 
 
@@ -326,9 +326,9 @@ def point_state(out_dir: Path, point: Point,
     """Whether ``point`` is finished (module docstring); ``fingerprint`` gives the current
     data's (without it the data is not checked: reports read state without loading data)."""
     directory = run_dir(out_dir, point)
-    metrics_path = directory / "metrics.json"
-    if metrics_path.is_file():
-        stored = RunConfig.from_dict(json.loads((directory / "config.json").read_text()))
+    run = RunDir(directory)
+    if run.has_metrics():
+        stored = run.read_config()
         # the data is compared by content below: its path may differ (moved, or stored
         # unresolved by an earlier flarepp)
         a, b = ({k: v for k, v in c.identity().items() if k != "data_root"}
@@ -337,7 +337,7 @@ def point_state(out_dir: Path, point: Point,
             keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             raise StudyConflict(f"{str(directory)!r} holds a finished run of a different "
                                 f"config (its {', '.join(keys)} differ); choose another --out")
-        metrics = json.loads(metrics_path.read_text())
+        metrics = run.read_metrics()
         if fingerprint is None:
             return PointState("done", metrics)
         from flarepp.data.fingerprint import DataMismatch, check_same_data
@@ -401,10 +401,9 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
     from flarepp.train.loop import TrainingInterrupted
     directory = run_dir(out_dir, point)
     try:
-        if study.timing_epochs and not (directory / COST_NAME).is_file():
+        if study.timing_epochs and not RunDir(directory).has_cost():
             cost = time_epoch(config, epochs=study.timing_epochs)
-            directory.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(directory / COST_NAME, cost)
+            RunDir(directory).write_cost(cost)
             record_event(out_dir, point.name, "timed", **cost)
             log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
                 f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
@@ -413,8 +412,7 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
         log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
         metrics = Trainer(config, directory, resume=resume, progress=False).fit()
     except FloatingPointError as err:
-        atomic_write_json(directory / FAILED_NAME, {"error": str(err),
-                                                    "type": type(err).__name__})
+        RunDir(directory).write_failure(err)
         record_event(out_dir, point.name, "fail", error=str(err))
         log(f"{tag}: failed (final, not retried): {err}")
         return "failed"
@@ -488,7 +486,7 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
             return None if first else "skipped"
         if now.status == "done":
             return "reused" if first else "skipped"  # later: finished by its holder
-        claim = Lease(out_dir / "claims" / point.name / ".lock", grace_s=claim_grace_s)
+        claim = Lease(out_dir / "claims" / point.name / LOCK_NAME, grace_s=claim_grace_s)
         try:
             claim.acquire()
         except RunLocked:

@@ -1,16 +1,16 @@
 """Running a task's model: device, precision, token sharding, streaming, evaluation.
 
 The :class:`Engine` is the part of the trainer that ``flarepp eval`` reuses: it calls a
-task's model under autocast on one device, splits the token axis of a batch over the
-context-parallel group (paper Appendix B) when there is one, optionally streams a whole
-mesh in chunks (:func:`flarepp.distributed.stream_forward`), and evaluates a split with
-its samples shared out over the data-parallel ranks, gathering every rank's per-sample
-records before the task summarises them.
+task's model under autocast on one device (training), predicts through the task's
+:class:`~flarepp.inference.predictor.Predictor` (its normalisers, the context-parallel
+token split of paper Appendix B, streaming in chunks), and evaluates a split with its
+samples shared out over the data-parallel ranks, gathering every rank's per-sample records
+before the task summarises them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,42 +20,10 @@ from torch import nn
 from flarepp.device import autocast
 from flarepp.distributed.encoder import global_sum
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.distributed.parallel import gather_tokens, shard_slice
-from flarepp.distributed.streaming import stream_forward
 from flarepp.tasks.base import Batch, Task, gather_records
 from flarepp.inference.batching import eval_keys, make_loader, to_device, to_device_prefetched
 
-
-@torch.no_grad()
-def predict_tokens(model: nn.Module, batch: Batch, *, device: torch.device,
-                   chunk_size: int | None = None, group: Any = None,
-                   forward: Callable[[Batch], torch.Tensor] | None = None,
-                   hidden_on: str = "auto", memmap_dir: str | None = None,
-                   progress: bool = False) -> torch.Tensor:
-    """The one prediction path: ``model``'s output for every token of ``batch``.
-
-    ``batch`` holds ``x`` ``[B, N, I]`` (and ``mask`` ``[B, N]``) already cut to this rank's
-    token shard when ``group`` (the context-parallel group, paper Appendix B) is given.
-    With ``chunk_size`` the tokens are streamed through ``device`` in chunks whose encoder
-    partials merge by the log-sum-exp rule (:func:`~flarepp.distributed.stream_forward`);
-    otherwise ``forward(batch)`` (default ``model(x, mask)``) runs on tensors already on
-    ``device``. Under ``group`` every rank returns the gathered ``[B, N, O]``. Every
-    strategy computes the same function as ``model(x, mask)``; autocast is the caller's.
-    ``hidden_on``, ``memmap_dir`` and ``progress`` are :func:`~flarepp.distributed.
-    stream_forward`'s: where a streamed mesh's hidden state lives, and a progress bar.
-    """
-    if chunk_size is not None:
-        pred = stream_forward(model, batch["x"], batch.get("mask"), chunk_size=chunk_size,
-                              device=device, group=group, hidden_on=hidden_on,
-                              memmap_dir=memmap_dir, progress=progress)
-    elif forward is not None:
-        pred = forward(batch)
-    else:
-        mask = batch.get("mask")
-        pred = model(batch["x"].to(device), mask=None if mask is None else mask.to(device))
-    if group is not None:
-        pred = gather_tokens(pred.to(device).contiguous(), group)
-    return pred
+from flarepp.inference.predictor import Predictor, predict_tokens, shard_tokens  # noqa: F401
 
 
 class Engine:
@@ -80,30 +48,33 @@ class Engine:
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's contiguous token shard of every token entry of ``batch``."""
-        if self.plan.cp_group is None:
-            return batch
-        rank, world = self.plan.cp_rank, self.plan.cp_size
-        return {k: (v[:, shard_slice(v.shape[1], rank, world)]
-                    if k in self.task.token_keys else v) for k, v in batch.items()}
+        return shard_tokens(batch, self.plan, self.task.token_keys)
 
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The task's forward on ``batch`` (already this rank's shard), under autocast."""
         with autocast(self.precision, self.device):
             return self.task.forward(model, batch)
 
-    @torch.no_grad()
+    def predictor(self, model: nn.Module) -> Predictor:
+        """``model`` with the task's normalisers, this engine's device, precision, token
+        split and streaming, called through the task's forward."""
+        maps = self.task.normalizers()
+        return Predictor(model, inputs=maps.get("x"), outputs=maps.get("y"),
+                         conditions=maps.get("conditions"), device=self.device,
+                         precision=self.precision, plan=self.plan, chunk_size=self.chunk_size,
+                         token_keys=self.task.token_keys,
+                         forward=lambda b: self.task.forward(model, b))
+
     def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Predictions for the whole of ``batch`` (token shards gathered, or streamed)."""
-        shard = self.shard(batch)
-        with autocast(self.precision, self.device):
-            return predict_tokens(model, shard, device=self.device, chunk_size=self.chunk_size,
-                                  group=self.plan.cp_group,
-                                  forward=lambda b: self.task.forward(model, b))
+        """Predictions for the whole of ``batch`` (token shards gathered, or streamed) in
+        physical units (the task's outputs as they are for a task without output maps)."""
+        return self.predictor(model).predict_batch(batch)
 
     def predict_cases(self, model: nn.Module, split: str, indices: list[int]
                       ) -> dict[int, np.ndarray]:
-        """``{index: raw output [N, O]}`` of ``model`` on samples of ``split`` (in eval mode;
-        every rank takes part: shards, streams and gathers as :meth:`predict`)."""
+        """``{index: prediction [N, O]}`` (physical units) of ``model`` on samples of
+        ``split`` (in eval mode; every rank takes part: shards, streams and gathers as
+        :meth:`predict`)."""
         was_training = model.training
         model.eval()
         out = {}

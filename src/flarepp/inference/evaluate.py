@@ -40,13 +40,16 @@ def run_data(state: dict[str, Any], config: RunConfig) -> str:
 
 
 def weight_metrics(split: str, headline: str, by_weights: dict[str, dict[str, Any]],
-                   eval_weights: str) -> dict[str, Any]:
+                   eval_weights: str, reported: tuple[str, ...] = ()) -> dict[str, Any]:
     """The keys a run reports for ``split``: ``{split}_{headline}`` (the ``eval_weights``
     weights' value), ``{split}_{headline}_raw`` and ``{split}_{headline}_ema``, from the
-    task's metrics of each weights (``by_weights["raw"]``, ``by_weights["ema"]``)."""
+    task's metrics of each weights (``by_weights["raw"]``, ``by_weights["ema"]``), and
+    ``{split}_{name}`` of the ``eval_weights`` weights for each name in ``reported``."""
     key = f"{split}_{headline}"
-    return {key: by_weights[eval_weights][headline],
-            **{f"{key}_{w}": by_weights[w][headline] for w in EVAL_WEIGHTS}}
+    chosen = by_weights[eval_weights]
+    return {key: chosen[headline],
+            **{f"{key}_{w}": by_weights[w][headline] for w in EVAL_WEIGHTS},
+            **{f"{split}_{name}": chosen[name] for name in reported if name in chosen}}
 
 
 def evaluate_weights(engine: Engine, split: str, batch_size: int,
@@ -104,7 +107,8 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
         results = evaluate_weights(engine, split, task.eval_batch_size(), models,
                                    same=config.ema_decay == 0)
         by_weights = {w: result for w, (result, _) in results.items()}
-        metrics.update(weight_metrics(split, task.headline, by_weights, config.eval_weights))
+        metrics.update(weight_metrics(split, task.headline, by_weights, config.eval_weights,
+                                      task.reported))
         if "zero_target_samples" in by_weights["raw"]:
             metrics[f"{split}_zero_target_samples"] = by_weights["raw"]["zero_target_samples"]
     metrics.update({"eval_weights": config.eval_weights, "precision": precision,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import shutil
 import warnings
 from collections import OrderedDict
@@ -32,16 +31,14 @@ from torch import nn
 
 from flarepp.data import Normalizer
 from flarepp.device import HOST
-from flarepp.io import atomic_write, fsync_directory, is_temporary
+from flarepp.io import atomic_write, is_temporary
 from flarepp.models import model_from_config
 from flarepp.storage.config import RunConfig, stored_version
+from flarepp.storage.rundir import CHECKPOINT_NAME, RunDir, checkpoint_epoch
 
 FORMAT_VERSION = 1
 REQUIRED = ("format_version", "config", "model_config", "model", "ema", "epoch",
             "normalizers")
-CHECKPOINT_NAME = re.compile(r"epoch_(\d+)(?:_step_(\d+))?\.pt")
-"""File names of the checkpoints in ``<run>/checkpoints``: ``epoch_<n>.pt`` after ``n``
-epochs, ``epoch_<n>_step_<k>.pt`` ``k`` steps into epoch ``n + 1`` (an interrupted run)."""
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.Size,
           torch.dtype, torch.device)
@@ -182,13 +179,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 # a run directory's checkpoints
 
 def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
-    """``<out_dir>/checkpoints``' checkpoints, the most advanced (epochs, steps) first."""
-    folder = Path(out_dir) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [((int(m.group(1)), int(m.group(2) or 0)), p) for p in folder.iterdir()
-             if (m := CHECKPOINT_NAME.fullmatch(p.name)) and p.is_file()]
-    return [p for _, p in sorted(found, reverse=True)]
+    """A run directory's checkpoints, the most advanced (epochs, steps) first
+    (:meth:`RunDir.checkpoints`)."""
+    return RunDir(out_dir).checkpoints()
 
 
 @dataclass
@@ -229,34 +222,10 @@ def newest_readable_checkpoint(out_dir: str | Path) -> CheckpointSearch:
     return CheckpointSearch(None, None, unreadable)
 
 
-def checkpoint_epoch(path: Path) -> tuple[int, int | None]:
-    """``(epochs, step)`` of a checkpoint file name (``step`` None at an epoch's end)."""
-    match = CHECKPOINT_NAME.fullmatch(Path(path).name)
-    if match is None:
-        raise ValueError(f"{str(path)!r} is not a checkpoint file name (epoch_<n>.pt)")
-    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
-
-
 def prune_checkpoints(out_dir: str | Path, keep: int | None, *,
                       best: Path | None = None) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints of ``out_dir`` and ``best``; returns
-    the deleted ones. ``keep`` None keeps every checkpoint.
-
-    Call it only after the newest checkpoint was written (its write is durable when
-    :func:`save_checkpoint` returns), so that what ``--resume`` reads is never the one
-    removed; it keeps at least one."""
-    if keep is None:
-        return []
-    newest = checkpoints_newest_first(out_dir)
-    kept = set(newest[:max(keep, 1)])
-    if best is not None:
-        kept.add(Path(best))
-    removed = [path for path in newest if path not in kept]
-    for path in removed:
-        path.unlink(missing_ok=True)
-    if removed:
-        fsync_directory(Path(out_dir) / "checkpoints")
-    return removed
+    """The retention policy of a run's checkpoints (:meth:`RunDir.prune_checkpoints`)."""
+    return RunDir(out_dir).prune_checkpoints(keep, best=best)
 
 
 def remove_stale_temporaries(out_dir: str | Path) -> list[Path]:
@@ -314,10 +283,10 @@ def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None =
     return model.eval()
 
 
-def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
-    """Rebuild the model from a checkpoint alone (by default with the weights the run
-    reports, :func:`rebuild_model`)."""
-    state = read_checkpoint(path)
+def mesh_normalizers(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The stored normalisers of a model that maps mesh points to fields (``x``, ``y``, and
+    ``conditions`` when stored); a sentence for a run of another task (lm, sequence,
+    rollout: they store none)."""
     norms = state["normalizers"]
     if not (isinstance(norms, dict) and "x" in norms and "y" in norms):
         config = state["config"] if isinstance(state["config"], dict) else {}
@@ -327,6 +296,14 @@ def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedM
             "map mesh points to fields (it stores no input and output normalisers); score "
             "it with `flarepp eval`" + (", sample from it with `flarepp generate`"
                                         if task == "lm" else ""))
+    return norms
+
+
+def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
+    """Rebuild the model from a checkpoint alone (by default with the weights the run
+    reports, :func:`rebuild_model`)."""
+    state = read_checkpoint(path)
+    mesh_normalizers(state, path)
     model = rebuild_model(state, path, ema=ema)
     data = state.get("data", {})
     return TrainedModel(model, RunConfig.from_stored(state["config"]),
@@ -352,7 +329,7 @@ def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None =
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
            "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_causal_lm",
-           "load_trained_model", "rebuild_model",
+           "load_trained_model", "mesh_normalizers", "rebuild_model",
            "newest_readable_checkpoint", "portable_state", "prune_checkpoints",
            "read_checkpoint", "remove_stale_temporaries", "save_checkpoint",
            "checkpoint_epoch"]

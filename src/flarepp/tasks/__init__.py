@@ -37,14 +37,9 @@ def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:
 
 def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
     """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
-    run_dir = Path(run_dir)
-    config = run_dir / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{str(config)!r} not found: is {str(run_dir)!r} a flarepp "
-                                "run directory?")
-    from flarepp.io import read_json
-    task = read_json(config).get("task", "fields")
-    return TASKS.get(task).plot_run(run_dir, cases)
+    from flarepp.storage.rundir import RunDir
+    run = RunDir(run_dir)
+    return TASKS.get(run.read_config().task).plot_run(run.path, cases)
 
 
 __all__ = ["TASKS", "Task", "build_task", "check_task_config", "gather_records", "pad_stack", "plot_run_dir"]

@@ -16,9 +16,12 @@ the whole global batch, so a batch split over data-parallel ranks, or over micro
 gives exactly the single-process loss and gradient.
 
 Evaluation convention. ``eval_records(pred, batch)`` turns a batch's predictions into
-per-sample records (numpy, keyed by name, with the sample ``index``); the trainer gathers
-the records of every rank and ``summarize(split, records)`` returns the metrics
-(``metrics[task.headline]`` is the number that is reported).
+per-sample records (numpy, keyed by name, with the sample ``index``); the predictions come
+from the one predictor (:class:`flarepp.inference.predictor.Predictor`), in physical units
+for a task with output normalisers (:meth:`Task.normalizers`), as the model gives them
+otherwise. The trainer gathers the records of every rank and ``summarize(split, records)``
+returns the metrics (``metrics[task.headline]`` is the number that is reported, beside
+those named in ``reported``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ Item = dict[str, np.ndarray]
 class Task(abc.ABC):
     """Base class; subclasses register in :data:`flarepp.tasks.TASKS`.
 
+    ``reported`` names metrics of :meth:`summarize` reported beside the headline
+    (``metrics.json`` keys ``<split>_<name>``, of the run's ``eval_weights`` weights).
     ``token_keys`` names the batch entries with a token axis (dim 1) that context
     parallelism may split across ranks and that streaming may chunk; a task with none
     cannot be token-sharded. ``eval_splits`` are evaluated at the end of a run, the first
@@ -49,6 +54,7 @@ class Task(abc.ABC):
 
     name: ClassVar[str] = ""
     headline: ClassVar[str] = "rel_l2"
+    reported: ClassVar[tuple[str, ...]] = ()
     lower_is_better: ClassVar[bool] = True
     token_keys: ClassVar[tuple[str, ...]] = ()
     eval_splits: ClassVar[tuple[str, ...]] = ("test", "train")
@@ -112,8 +118,16 @@ class Task(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def normalizers(self) -> dict[str, Any]:
+        """The maps between physical units and the model's (:class:`flarepp.data.
+        Normalizer`): ``x`` inputs, ``y`` outputs, ``conditions`` per-sample tokens; ``{}``
+        for a task whose model sees its data as it is. The predictor de-normalises with
+        them; :meth:`state_dict` stores them."""
+        return {}
+
     def describe_data(self) -> dict[str, Any]:
-        """Facts about the data stored in checkpoints (field names, units...)."""
+        """Facts about the data stored in checkpoints (field names, units, the input
+        layout ``inputs``: ``{"coordinates": G, "names": [...]}``...)."""
         return {}
 
     def baseline_metrics(self) -> dict[str, float]:
@@ -142,8 +156,9 @@ class Task(abc.ABC):
         the records keep only small per-sample numbers (e.g. the case a figure shows).
 
         The trainer predicts them again after the final evaluation, on every rank (so
-        context parallelism works), and hands ``write_outputs`` the model's raw outputs
-        as ``predictions={index: [N, O] numpy array}``; none by default."""
+        context parallelism works), and hands ``write_outputs`` the predictions (physical
+        units, as :meth:`eval_records` gets them) as ``predictions={index: [N, O] numpy
+        array}``; none by default."""
         return []
 
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,

@@ -35,6 +35,7 @@ from flarepp.data import DataError, DatasetSplits, MeshSamples, Normalizer, load
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.registry import Registry
+from flarepp.storage.rundir import RunDir
 from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
 from flarepp.tasks.registry import TASKS
 
@@ -420,14 +421,10 @@ class FieldTask(Task):
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
         return self.loss_fn.count(batch["y"], batch.get("mask"), token_sum)
 
-    def predict(self, pred: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """De-normalised predictions, zero at padding."""
-        out = self.y_norm.decode(pred.float())
-        mask = batch.get("mask")
-        return out if mask is None else out * mask[..., None]
-
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
-        out = self.predict(pred, batch)
+        """Per sample: relative and absolute L2 errors of the predictions (physical units,
+        zero at padding: the predictor's), the target's norm and the predictions."""
+        out = pred
         mask = batch.get("mask")
         y = batch["y"]
         ref = y.double().square()
@@ -460,10 +457,30 @@ class FieldTask(Task):
         self._set_normalizers(Normalizer.from_state_dict(state["x"]),
                               Normalizer.from_state_dict(state["y"]))
 
+    def normalizers(self) -> dict[str, Normalizer]:
+        return {"x": self.x_norm, "y": self.y_norm}
+
+    def input_layout(self) -> dict[str, Any]:
+        """``{"coordinates": G, "names": [...]}``: the first G input channels are the
+        points' coordinates when the data's plot positions are exactly those channels
+        (every built-in dataset); G is None when the data does not say (an ``npz`` without
+        ``coords``, or with positions that are not inputs)."""
+        train = self.splits.train
+        coordinates = None
+        if train.coords is not None and train.coords.shape[-1] <= train.x.shape[-1]:
+            g = train.coords.shape[-1]
+            real = np.ones(train.x.shape[:2], bool) if train.mask is None else train.mask
+            if np.array_equal(train.coords[real], train.x[..., :g][real]):
+                coordinates = int(g)
+        axes = ("x", "y", "z")
+        names = [axes[k] if coordinates is not None and k < coordinates <= 3
+                 else f"input {k}" for k in range(self.splits.in_dim)]
+        return {"coordinates": coordinates, "names": names}
+
     def describe_data(self) -> dict[str, Any]:
         facts = {"dataset": self.config.dataset, "field_names": self.splits.field_names,
                  "units": self.splits.units, "loss": self.loss_name,
-                 "input_norm": self.input_norm}
+                 "input_norm": self.input_norm, "inputs": self.input_layout()}
         if self.splits.val is not None:
             facts["validation"] = {"fraction": self.config.val_fraction,
                                    "samples": len(self.splits.val)}
@@ -529,18 +546,16 @@ class FieldTask(Task):
             arrays["mask"] = s.mask
         if s.grid_shape is not None:
             arrays["grid_shape"] = np.asarray(s.grid_shape)
-        return [atomic_write_npz(out_dir / "test_predictions.npz", arrays, compressed=True)]
+        return [atomic_write_npz(RunDir(out_dir).predictions(split), arrays, compressed=True)]
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
         from flarepp.plots import Panel, Series, plot_field_run, weight_series
-        config_path = Path(out_dir) / "config.json"
-        from flarepp.io import read_json
-        from flarepp.storage.config import flatten_sections
-        stored = flatten_sections(read_json(config_path)) if config_path.is_file() else {}
-        loss = stored.get("loss", "mse")   # an unversioned config without it trained MSE
+        run = RunDir(out_dir)
+        # as stored: an unversioned config trained the legacy protocol (MSE)
+        loss = run.read_config().loss if run.config_path.is_file() else "mse"
         if loss == "reference":
-            loss = REFERENCE_LOSS.get(stored.get("dataset"), "rel_l2")
+            loss = REFERENCE_LOSS.get(run.read_config().dataset, "rel_l2")
         panels = [Panel(f"training loss ({loss})",
                         (Series("train_loss", "training (live weights)"),)),
                   Panel("test relative L2 [%]", weight_series("test_rel_l2", "test", 100.0))]

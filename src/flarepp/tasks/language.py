@@ -46,6 +46,7 @@ from flarepp.data.text import (ByteSplit, TextFiles, default_text_root,  # noqa:
 from flarepp.io import atomic_write
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
+from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
 
 VOCAB_SIZE = 256
@@ -155,7 +156,7 @@ class LanguageModelTask(Task):
 
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
                       predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
-        path = out_dir / f"{split}_bits_per_byte.json"
+        path = RunDir(out_dir).file(RunDir.BITS_PER_BYTE, split=split)
         text = json.dumps(self.summarize(split, records), indent=2)
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         return [path]

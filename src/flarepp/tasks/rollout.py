@@ -52,6 +52,7 @@ from flarepp.data.generators.advection_diffusion import (Trajectories, grid, per
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
+from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
 
 POINT_FEATURES = 9
@@ -323,7 +324,8 @@ class RolloutTask(Task):
                   "pred": records["pred"][:SAVED_CASES].reshape(len(cases), -1, R, R),
                   "true": d.test.u[cases][:, :d.horizon + 1],
                   "times": d.test.times[:d.horizon + 1]}
-        return [atomic_write_npz(out_dir / f"{split}_rollout.npz", arrays, compressed=True)]
+        return [atomic_write_npz(RunDir(out_dir).file(RunDir.ROLLOUT, split=split), arrays,
+                                 compressed=True)]
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
@@ -338,12 +340,13 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
     import matplotlib.pyplot as plt
     from flarepp.plots import Panel, Series, plot_curves, weight_series
     written = []
-    if (run_dir / "log.jsonl").is_file():
+    run = RunDir(run_dir)
+    if run.has_log():
         written.append(plot_curves(run_dir, [
             Panel("training loss", (Series("train_loss", "training (live weights)"),)),
             Panel("test rollout rel. L2 (mean over horizon)",
                   weight_series("test_rollout_rel_l2", "test"))]))
-    path = run_dir / "test_rollout.npz"
+    path = run.file(RunDir.ROLLOUT, split="test")
     if not path.is_file():
         return written
     with np.load(path) as f:
@@ -352,7 +355,7 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
     steps = np.arange(1, rel.shape[1] + 1)
     ax.plot(steps, rel.mean(0), marker="o", ms=3)
     ax.set_xlabel("rollout step"), ax.set_ylabel("relative L2"), ax.grid(alpha=.3)
-    written.append(run_dir / "rollout_error.png")
+    written.append(run.figure(RunDir.ROLLOUT_ERROR_FIGURE))
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     shown = [s for s in (1, rel.shape[1] // 2, rel.shape[1]) if s >= 1]
@@ -370,7 +373,7 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
                     ax.imshow(field.T, origin="lower", cmap="RdBu_r", vmin=-lim, vmax=lim)
                     ax.set_xticks([]), ax.set_yticks([])
                     ax.set_title(f"{what}, t={times[s]:.2f}", fontsize=8)
-        written.append(run_dir / "rollout_cases.png")
+        written.append(run.figure(RunDir.ROLLOUT_CASES_FIGURE))
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written

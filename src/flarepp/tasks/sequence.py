@@ -46,6 +46,7 @@ from flarepp.data.lra import LRA_DATASETS, LRADataset, collate
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.models import build_model
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
+from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
 
 MODEL_ARCH = "sequence-classifier"
@@ -221,9 +222,9 @@ class SequenceTask(Task):
         writer.writerow(["index", "label", "predicted", "nats"])
         writer.writerows(zip(records["index"].tolist(), records["label"].tolist(),
                              records["predicted"].tolist(), records["nats"].tolist()))
-        table = Path(out_dir) / f"{split}_predictions.csv"
+        table = RunDir(out_dir).file(RunDir.PREDICTION_TABLE, split=split)
         atomic_write_text(table, text.getvalue())
-        summary = Path(out_dir) / f"{split}_accuracy.json"
+        summary = RunDir(out_dir).file(RunDir.ACCURACY, split=split)
         atomic_write_json(summary, {**self.summarize(split, records), "split": split,
                                     "confusion": confusion.tolist()})
         return [table, summary]
@@ -232,7 +233,7 @@ class SequenceTask(Task):
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
         from flarepp.plots import Panel, Series, plot_curves, weight_series
         references: tuple[tuple[float, str, str], ...] = ()
-        summaries = sorted(Path(out_dir).glob("*_accuracy.json"))
+        summaries = sorted(Path(out_dir).glob(RunDir.ACCURACY.format(split="*")))
         if summaries:   # chance levels of the run's data
             chance = json.loads(summaries[0].read_text())
             references = ((100 * chance["chance"], "chance (1/K)", "--"),

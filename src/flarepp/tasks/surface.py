@@ -28,9 +28,27 @@ surface with fewer cells is taken whole.
 
 Evaluation: every cell of every surface of the scored split, one surface per batch; the
 engine streams it in chunks (``eval_chunk_size``, :mod:`flarepp.distributed.streaming`) or
-splits it over context-parallel ranks. A car's record is its per-channel sum of squared
-errors and its cell count, nothing per cell; its metric ``100 sum e^2 / (4 N)`` is averaged
-over the cars (and per channel likewise). After training, the case the paper would show in
+splits it over context-parallel ranks, and hands the predictions in physical units. A car's
+record is its per-channel sum of squared standardised errors ``((y_hat - y) / std)^2``, its
+cell count, its relative L2 over the 4 channels and its integrated forces, nothing per
+cell; its metric ``100 sum e^2 / (4 N)`` is averaged over the cars (and per channel
+likewise), the relative L2 too.
+
+Integrated forces (per car, predicted and true): pressure and wall shear summed over the
+cells, ``F = sum_cells (-p_s n + tau_w) A`` (:func:`integrated_forces`; kinematic, so per
+unit density, m^4/s^2), with the normals as the file orients them: outward, the force on
+the body, for the generated surfaces; OpenFOAM orients boundary faces out of the fluid
+(into the car), which reverses the sign of the pressure term, and its wall shear is the
+wall's stress on the fluid, which reverses the shear term: the whole force changes sign
+and neither R² nor the relative errors change (PhysicsNeMo's DrivAerML drag adds ``p n``
+and subtracts the shear). Drag is ``F . d`` along the free stream ``d`` and lift ``F . z``;
+both are per unit dynamic pressure, ``C A = F . d / (U^2 / 2)`` in m^2 (the drag area:
+``C_d`` times a reference area, which no file states), where the file states its free
+stream ``U`` (generated surfaces: 40 m/s, with their yaw), else the kinematic force itself
+along ``x`` (m^4/s^2; the released DrivAerML files state neither speed nor area).
+``drag_r2`` and ``lift_r2``: the coefficient of determination ``1 - sum (hat - true)^2 /
+sum (true - mean true)^2`` over the scored cars (NaN with fewer than 2 cars or no spread),
+the number AB-UPT reports for DrivAerML's drag and lift. After training, the case the paper would show in
 Figures 13-14 (the median-error car of the first 10) is predicted again and written, in
 physical units, to ``surface_case.npz``; ``flarepp plot RUN`` renders it with
 :mod:`flarepp.plots3d`. ``surface_errors.json`` lists every car's errors.
@@ -51,15 +69,18 @@ from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
 from flarepp.data.surface import (DATASET, TEST_SPLITS, SurfaceData,  # noqa: F401  (re-exported)
                                   check_options, load_drivaerml, resolve_split_file)
 from flarepp.plots3d import CASE_FILE
+from flarepp.storage.rundir import RunDir
 from flarepp.io import atomic_write_json, atomic_write_npz
 from flarepp.models import build_model
-from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds, pad_stack
+from flarepp.tasks.fields import relative_l2
 from flarepp.tasks.registry import TASKS
 
-IN_CHANNELS, OUT_CHANNELS = 6, len(FIELD_NAMES)
+INPUT_NAMES = ("centre x", "centre y", "centre z", "normal x", "normal y", "normal z")
+IN_CHANNELS, OUT_CHANNELS = len(INPUT_NAMES), len(FIELD_NAMES)
 METRIC_SCALE = 100.0                # the metric is in %
 FIGURE_SUBSET = 10                  # Figures 13-14: the median case of the first 10 test cars
-ERRORS_FILE = "surface_errors.json"
+ERRORS_FILE = RunDir.SURFACE_ERRORS
 
 
 def subset_cells(n_cells: int, size: int, seed: int) -> np.ndarray:
@@ -99,6 +120,7 @@ class SurfaceTask(Task):
 
     name = "surface"
     headline = "nmse"
+    reported = ("rel_l2", "drag_r2", "lift_r2")
     lower_is_better = True
     token_keys = ("x", "y", "mask")
     eval_splits = ("test",)
@@ -140,7 +162,9 @@ class SurfaceTask(Task):
 
     def get(self, split: str, index: int, seed: int, *, training: bool = False) -> Item:
         """Normalised inputs ``x [n, 6]`` and standardised targets ``y [n, 4]`` of a
-        ``cells_per_step`` subset drawn with ``seed`` (training) or of every cell."""
+        ``cells_per_step`` subset drawn with ``seed`` (training), or of every cell with the
+        targets in physical units, ``fields [n, 4]``, and the cell ``areas [n]`` too
+        (evaluation)."""
         run = self.data.surfaces.load(self.car(split, index))
         if training:
             cells = subset_cells(run.n_cells, self.data.cells_per_step, seed)
@@ -149,15 +173,24 @@ class SurfaceTask(Task):
             centres, normals, fields = run.centres, run.normals, run.fields
         x = self.x_norm.encode(np.concatenate([centres, normals], axis=1))
         y = self.y_norm.encode(np.asarray(fields))
-        return {"index": np.int64(index), "x": np.ascontiguousarray(x, np.float32),
+        item = {"index": np.int64(index), "x": np.ascontiguousarray(x, np.float32),
                 "y": np.ascontiguousarray(y, np.float32)}
+        if not training:
+            item["fields"] = np.ascontiguousarray(fields, np.float32)
+            item["areas"] = np.ascontiguousarray(run.areas, np.float32)
+        return item
 
     def item_size(self, item: Item) -> int:
         return int(item["x"].shape[0])
 
     def collate(self, items: list[Item]) -> Batch:
         lengths = [self.item_size(it) for it in items]
-        return collate_point_clouds(items, lengths, masked=len(set(lengths)) > 1)
+        batch = collate_point_clouds(items, lengths, masked=len(set(lengths)) > 1)
+        for key in ("fields", "areas"):   # evaluation items only
+            if all(key in it for it in items):
+                batch[key] = torch.from_numpy(pad_stack([it[key] for it in items],
+                                                        max(lengths)))
+        return batch
 
     def eval_batch_size(self) -> int:
         """One whole surface per evaluation batch (C.1: one geometry per forward)."""
@@ -189,32 +222,69 @@ class SurfaceTask(Task):
         return token_sum(cells * y.shape[-1])
 
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
-        """Per car: the sum of squared standardised errors per channel (float64) and the
-        number of cells."""
-        err = self._squared_errors(pred.double(), batch)
+        """Per car, from predictions and targets in physical units: the sum of squared
+        standardised errors per channel (float64), the number of cells, the relative L2
+        over the 4 channels and the integrated forces ``[3]`` predicted and true."""
         mask = batch.get("mask")
+        pred, true = pred.double(), batch["fields"].double()
+        std = torch.as_tensor(self.y_norm.std, dtype=torch.float64, device=pred.device)
+        err = ((pred - true) / std).square()
+        err = err if mask is None else err * mask[..., None]
         cells = (torch.full((err.shape[0],), err.shape[1]) if mask is None
                  else mask.sum(1))
+        # the inputs' normal channels are the unit normals: their map is the identity
+        normals = batch["x"][..., 3:6].double()
+        areas = batch["areas"].double()
         return {"index": batch["index"].cpu().numpy(), "sse": err.sum(1).cpu().numpy(),
-                "cells": cells.cpu().numpy().astype(np.int64)}
+                "cells": cells.cpu().numpy().astype(np.int64),
+                "rel_l2": relative_l2(pred, true, mask).cpu().numpy(),
+                "force_pred": integrated_forces(pred, normals, areas, mask).cpu().numpy(),
+                "force_true": integrated_forces(true, normals, areas, mask).cpu().numpy()}
 
     def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
         """``nmse``: the mean over cars of each car's ``100 x`` mean squared standardised
-        error over its cells and the 4 channels; ``nmse_channels`` per channel."""
+        error over its cells and the 4 channels; ``nmse_channels`` per channel;
+        ``rel_l2`` the mean over cars of the relative L2 over the 4 channels; ``drag_r2``
+        and ``lift_r2`` over the cars, and each car's drag and lift (module docstring)."""
         per_channel = case_channel_errors(records)
         per_case = per_channel.mean(axis=1)
-        runs = self.data.cars(split)
+        runs = [self.data.cars(split)[int(i)] for i in records["index"]]
+        forces = self.force_coefficients(runs, records)
         return {"nmse": float(per_case.mean()),
                 "nmse_channels": {name: float(v)
                                   for name, v in zip(FIELD_NAMES, per_channel.mean(axis=0))},
-                "per_sample": per_case.tolist(),
-                "runs": [runs[int(i)] for i in records["index"]],
+                "rel_l2": float(records["rel_l2"].mean()),
+                "drag_r2": r_squared(forces["drag_pred"], forces["drag_true"]),
+                "lift_r2": r_squared(forces["lift_pred"], forces["lift_true"]),
+                "forces": forces,
+                "per_sample": per_case.tolist(), "runs": runs,
                 "cells": int(records["cells"].sum())}
+
+    def force_coefficients(self, runs: list[str], records: dict[str, np.ndarray]
+                           ) -> dict[str, Any]:
+        """Each car's drag and lift, predicted and true, per unit dynamic pressure where
+        its file states the free stream, else the kinematic force (module docstring)."""
+        out: dict[str, Any] = {k: [] for k in ("drag_pred", "drag_true", "lift_pred",
+                                               "lift_true", "quantity")}
+        for car, f_pred, f_true in zip(runs, records["force_pred"], records["force_true"]):
+            stream = self.data.surfaces.load(car).free_stream
+            speed = None if stream is None else float(np.linalg.norm(stream))
+            drag = np.array([1.0, 0.0, 0.0]) if not speed else np.asarray(stream) / speed
+            scale = 1.0 if not speed else 0.5 * speed ** 2
+            for name, f in (("pred", f_pred), ("true", f_true)):
+                out[f"drag_{name}"].append(float(f @ drag / scale))
+                out[f"lift_{name}"].append(float(f[2] / scale))
+            out["quantity"].append("per unit dynamic pressure (m^2)" if speed else
+                                   "kinematic force along x and z (m^4/s^2)")
+        return out
 
     # -- state and outputs ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"x": self.x_norm.state_dict(), "y": self.y_norm.state_dict(),
                 "statistics": self.statistics.to_dict()}
+
+    def normalizers(self) -> dict[str, Normalizer]:
+        return {"x": self.x_norm, "y": self.y_norm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.x_norm = Normalizer.from_state_dict(state["x"])
@@ -227,6 +297,7 @@ class SurfaceTask(Task):
         return {"dataset": DATASET, "root": str(s.root), "split_file": str(s.split_file),
                 "test_split": self.data.test_split, "cells_per_step": self.data.cells_per_step,
                 "field_names": list(FIELD_NAMES), "units": FIELD_UNITS,
+                "inputs": {"coordinates": 3, "names": list(INPUT_NAMES)},
                 "arrays": [s.pressure_array, s.wall_shear_array],
                 "runs": {"train": self.num_samples("train"), "test": self.num_samples("test")},
                 "statistics": self.statistics.to_dict()}
@@ -268,26 +339,32 @@ class SurfaceTask(Task):
         out_dir = Path(out_dir)
         per_channel = case_channel_errors(records)
         runs = self.data.cars(split)
+        forces = self.force_coefficients([runs[int(i)] for i in records["index"]], records)
         cases = [{"run": runs[int(i)], "index": int(i), "cells": int(n),
                   "nmse": float(e.mean()),
-                  "nmse_channels": dict(zip(FIELD_NAMES, map(float, e)))}
-                 for i, n, e in zip(records["index"], records["cells"], per_channel)]
+                  "nmse_channels": dict(zip(FIELD_NAMES, map(float, e))),
+                  "rel_l2": float(records["rel_l2"][row]),
+                  **{k: v[row] for k, v in forces.items()}}
+                 for row, (i, n, e) in enumerate(zip(records["index"], records["cells"],
+                                                     per_channel))]
         chosen = list(predictions or {})
-        paths = [out_dir / ERRORS_FILE]
+        run_dir = RunDir(out_dir)
+        paths = [run_dir.file(ERRORS_FILE)]
         atomic_write_json(paths[0], {
             "split": self.data.test_split, "metric": "100 x MSE of the standardised channels",
             "nmse": float(per_channel.mean(axis=1).mean()), "figure_subset": FIGURE_SUBSET,
-            "figure_case": runs[chosen[0]] if chosen else None, "cases": cases})
-        for index, raw_NO in (predictions or {}).items():
+            "figure_case": runs[chosen[0]] if chosen else None,
+            "drag_r2": r_squared(forces["drag_pred"], forces["drag_true"]),
+            "lift_r2": r_squared(forces["lift_pred"], forces["lift_true"]), "cases": cases})
+        for index, pred_NO in (predictions or {}).items():
             run = self.data.surfaces.load(runs[index])
             row = int(np.flatnonzero(records["index"] == index)[0])
-            arrays = {"pred": self.y_norm.decode(np.asarray(raw_NO, np.float32))
-                      .astype(np.float32),
+            arrays = {"pred": np.asarray(pred_NO, np.float32),
                       "truth": np.asarray(run.fields, np.float32), "run": np.asarray(run.car),
                       "source": np.asarray(str(run.source.resolve())),
                       "index": np.int64(index), "nmse": np.float64(cases[row]["nmse"]),
                       "field_names": np.asarray(FIELD_NAMES), "units": np.asarray(FIELD_UNITS)}
-            paths.append(atomic_write_npz(out_dir / CASE_FILE, arrays))
+            paths.append(atomic_write_npz(run_dir.file(CASE_FILE), arrays))
         return paths
 
     @classmethod
@@ -316,10 +393,32 @@ class SurfaceTask(Task):
             yield car, x, np.asarray(run.fields)[None]
 
 
+def integrated_forces(fields_BN4: torch.Tensor, normals_BN3: torch.Tensor,
+                      areas_BN: torch.Tensor, mask_BN: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """``F = sum_cells (-p_s n + tau_w) A`` per sample, ``[B, 3]``: the kinematic pressure
+    ``fields[..., 0]`` and wall shear ``fields[..., 1:4]`` integrated over the cell areas
+    with the unit normals as given (padding left out)."""
+    traction = -fields_BN4[..., :1] * normals_BN3 + fields_BN4[..., 1:4]
+    weights = areas_BN if mask_BN is None else areas_BN * mask_BN
+    return (traction * weights[..., None]).sum(1)
+
+
+def r_squared(predicted: list[float] | np.ndarray, true: list[float] | np.ndarray) -> float:
+    """``1 - sum (p - t)^2 / sum (t - mean t)^2``; NaN with fewer than 2 values or none
+    spread."""
+    p, t = np.asarray(predicted, np.float64), np.asarray(true, np.float64)
+    spread = float(np.square(t - t.mean()).sum()) if len(t) else 0.0
+    if len(t) < 2 or spread == 0.0:
+        return float("nan")
+    return 1.0 - float(np.square(p - t).sum()) / spread
+
+
 def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:
     """``100 x`` mean squared standardised error per case and channel, ``[S, 4]``."""
     return METRIC_SCALE * records["sse"] / records["cells"][:, None]
 
 
 __all__ = ["DATASET", "SurfaceData", "SurfaceTask", "case_channel_errors", "input_normalizer",
-           "load_drivaerml", "output_normalizer", "subset_cells"]
+           "integrated_forces", "load_drivaerml", "output_normalizer", "r_squared",
+           "subset_cells"]

@@ -25,7 +25,6 @@ the other way round); the CUDA RNG state is restored where CUDA is used again.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import sys
 import threading
@@ -41,7 +40,6 @@ from tqdm.auto import tqdm
 from flarepp.data import DatasetSplits
 from flarepp.device import grad_scaler, resolve_device, use_device
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.io import append_line, atomic_write_json, atomic_write_text
 from flarepp.tasks import Task, build_task
 from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
                                     steps_per_epoch, to_device_prefetched)
@@ -55,7 +53,7 @@ from flarepp.inference.evaluate import evaluate_weights, weight_metrics
 from flarepp.train.ema import WeightAverage
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
 from flarepp.data.fingerprint import check_same_data
-from flarepp.storage.rundir import RunLock
+from flarepp.storage.rundir import RunDir, RunLock, provenance
 from flarepp.train.checks import check_run_config
 
 
@@ -72,19 +70,21 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 the user signals a scheduler sends before a time limit or preemption (SLURM's ``--signal``;
 submitit's is SIGUSR2)."""
 
+INIT_NORMALIZERS = ("keep", "refit")
+"""``--init-normalizers``: a fine-tuned run keeps its source's normalisers or refits them."""
+
 WEIGHTS_NAME = {"raw": "raw", "ema": "EMA"}
 """How a log line names the weights of ``eval_weights``."""
 
 
 def checkpoint_path(out_dir: Path, epoch: int, step: int | None = None) -> Path:
-    """``epoch_0003.pt`` after 3 epochs; ``epoch_0003_step_000012.pt`` 12 steps into the 4th."""
-    name = f"epoch_{epoch:04d}" + ("" if step is None else f"_step_{step:06d}")
-    return Path(out_dir) / "checkpoints" / f"{name}.pt"
+    """``epoch_0003.pt`` after 3 epochs; ``epoch_0003_step_000012.pt`` 12 steps into the 4th
+    (:meth:`RunDir.checkpoint`)."""
+    return RunDir(out_dir).checkpoint(epoch, step)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    found = checkpoints_newest_first(out_dir)
-    return found[0] if found else None
+    return RunDir(out_dir).latest_checkpoint()
 
 
 class TrainingInterrupted(Exception):
@@ -119,15 +119,25 @@ class Trainer:
     ``parallel`` is the process's place in the ``("dp", "cp")`` mesh (default: one
     process); ``device`` overrides ``config.device``; ``task`` a prebuilt task (e.g. data
     shared by several runs), ``splits`` preloaded data for the default task.
+    ``init_from`` (fine-tuning): a run directory or checkpoint whose weights (those it
+    reports) start this run, with a new optimiser on this run's data; ``init_normalizers``
+    ``keep`` takes its normalisers too, ``refit`` fits them on this run's data. It is
+    recorded in the checkpoints, ``metrics.json`` and ``provenance.json``.
     """
 
     def __init__(self, config: RunConfig, out_dir: str | Path, *,
                  data_root: str | Path | None = None, resume: bool = False,
                  progress: bool = True, splits: DatasetSplits | None = None,
                  task: Task | None = None, parallel: ParallelPlan = SINGLE,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None,
+                 init_from: str | Path | None = None, init_normalizers: str = "keep") -> None:
+        if init_normalizers not in INIT_NORMALIZERS:
+            raise ValueError(f"init_normalizers must be one of {', '.join(INIT_NORMALIZERS)}, "
+                             f"got {init_normalizers!r}")
+        self.init_record: dict[str, Any] | None = None
         self.config = c = check_run_config(config)
         self.out_dir = Path(out_dir)
+        self.run = RunDir(self.out_dir)
         self.plan = parallel
         self.is_writer = parallel.is_writer
         self.progress = progress and self.is_writer
@@ -137,12 +147,13 @@ class Trainer:
         # same --out fails here, before any work, naming the holder.
         self.lock = RunLock(self.out_dir).acquire() if self.is_writer else None
         try:
-            self._setup(resume, data_root, splits, task)
+            self._setup(resume, data_root, splits, task, init_from, init_normalizers)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, resume: bool, data_root, splits, task) -> None:
+    def _setup(self, resume: bool, data_root, splits, task, init_from, init_normalizers
+               ) -> None:
         c, parallel = self.config, self.plan
         if self.is_writer:
             removed = remove_stale_temporaries(self.out_dir)
@@ -152,7 +163,7 @@ class Trainer:
         found = newest_readable_checkpoint(self.out_dir) if resume else None
         if found is not None and found.path is None:
             reason = found.message() or f"there is no checkpoint in " \
-                f"{str(self.out_dir / 'checkpoints')!r}"
+                f"{str(self.run.checkpoint_dir)!r}"
             raise CheckpointError(f"--resume: {reason}")
         if found is not None and found.unreadable and self.progress:
             print(f"--resume: {found.message()}", flush=True)
@@ -168,6 +179,11 @@ class Trainer:
 
         torch.manual_seed(c.seed)
         self.model = task.build_model().to(self.device)
+        if init_from is not None:
+            if found is not None:
+                raise ValueError("--init-from starts a new run from another run's weights; "
+                                 f"{str(self.out_dir)!r} is resumed from its own checkpoint")
+            self._init_from(Path(init_from), init_normalizers)
         self.ema = WeightAverage(self.model, c.ema_decay)
         self._wrap()
         self.optimizer = build_optimizer(self.model, c)
@@ -184,6 +200,34 @@ class Trainer:
         self._stop_signal: int | None = None
         if found is not None:
             self._restore(found.path, found.state)
+
+    def _init_from(self, source: Path, normalizers: str) -> None:
+        """Start from the weights ``source`` reports (fine-tuning), refusing another
+        architecture in a sentence; ``normalizers`` ``keep``: its maps as well."""
+        from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
+        path = RunDir(source).require_run().reported_checkpoint() if source.is_dir() else source
+        if path is None:
+            raise CheckpointError(f"--init-from {str(source)!r}: the run holds no checkpoint")
+        state = read_checkpoint(path)
+        theirs, mine = state["model_config"], self.model.config.to_dict()
+        differ = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
+        if differ:
+            shown = ", ".join(f"{k} {theirs.get(k)!r} (this run: {mine.get(k)!r})"
+                              for k in differ[:4])
+            raise CheckpointError(f"--init-from {str(path)!r}: its model differs from this "
+                                  f"run's in {shown}; fine-tuning starts from the same "
+                                  "architecture (set the same model.* options)")
+        self.model.load_state_dict(rebuild_model(state, path).state_dict())
+        if normalizers == "keep":
+            try:
+                self.task.load_state_dict(state["normalizers"])
+            except (KeyError, TypeError) as err:
+                raise CheckpointError(f"--init-from {str(path)!r}: its normalisers do not fit "
+                                      f"the {self.config.task!r} task ({err}); use "
+                                      "--init-normalizers refit") from None
+        self.init_record = {"checkpoint": str(path.resolve()), "epoch": int(state["epoch"]),
+                            "weights": RunConfig.from_stored(state["config"]).eval_weights,
+                            "normalizers": normalizers}
 
     def _wrap(self) -> None:
         """Compile, token-shard and data-parallel-wrap the model (again after it grew)."""
@@ -228,6 +272,7 @@ class Trainer:
             "epoch": self.epoch, "history": self.history, "rng": rng,
             "task": self.config.task, "normalizers": self.task.state_dict(),
             "data": {**self.task.describe_data(), "identity": self.task.data_identity()},
+            **({"init_from": self.init_record} if self.init_record else {}),
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -257,6 +302,7 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
+        self.init_record = state.get("init_from")
         self._resume_progress = state.get("epoch_progress")
 
     def n_params(self) -> int:
@@ -467,10 +513,12 @@ class Trainer:
         c = self.config
         headline = self.task.headline
         if self.is_writer:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.out_dir / "config.json", c.to_file())
+            self.run.write_config(c)
             write_param_groups(self.out_dir, self.model, self.optimizer)
             self._rewrite_log()
+            self.run.record_provenance(provenance(
+                [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
+                **({"init_from": self.init_record} if self.init_record else {})))
         done_now = 0
         while self.epoch < c.epochs:
             latents = None
@@ -492,11 +540,11 @@ class Trainer:
             key = f"{split}_{headline}"
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
                 record.update(weight_metrics(split, headline, self.evaluate(split),
-                                             c.eval_weights))
+                                             c.eval_weights, self.task.reported))
                 record["eval_weights"] = c.eval_weights
             self.history.append(record)
             if self.is_writer:
-                append_line(self.out_dir / "log.jsonl", json.dumps(record))
+                self.run.append_log(record)
             if self.progress:
                 shown = ""
                 if key in record:
@@ -517,15 +565,15 @@ class Trainer:
         return self.finish()
 
     def _rewrite_log(self) -> None:
-        lines = "".join(json.dumps(r) + "\n" for r in self.history)
-        atomic_write_text(self.out_dir / "log.jsonl", lines)
+        self.run.rewrite_log(self.history)
 
     def finish(self) -> dict[str, Any]:
         headline, chosen = self.task.headline, self.config.eval_weights
         results = {split: self.evaluate(split) for split in self.task.eval_splits}
         metrics: dict[str, Any] = {}
         for split, by_weights in results.items():
-            metrics.update(weight_metrics(split, headline, by_weights, chosen))
+            metrics.update(weight_metrics(split, headline, by_weights, chosen,
+                                          self.task.reported))
             if "zero_target_samples" in by_weights[chosen]:
                 metrics[f"{split}_zero_target_samples"] = \
                     by_weights[chosen]["zero_target_samples"]
@@ -539,6 +587,7 @@ class Trainer:
             "precision": self.config.precision, "seed": self.config.seed,
             "device": str(self.device), "parallel": self.plan.describe(),
             "checkpoint": str(checkpoint_path(self.out_dir, self.epoch)),
+            **({"init_from": self.init_record} if self.init_record else {}),
         })
         split = self.task.eval_splits[0]
         records = results[split][chosen]["_records"]
@@ -547,15 +596,17 @@ class Trainer:
                  if cases else {})
         if self.is_writer:
             self.task.write_outputs(self.out_dir, split, records, **extra)
-            atomic_write_json(self.out_dir / "metrics.json", metrics)
+            self.run.write_metrics(metrics)
         return metrics
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,
           resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          parallel: ParallelPlan = SINGLE, device: str | torch.device | None = None
+          parallel: ParallelPlan = SINGLE, device: str | torch.device | None = None,
+          init_from: str | Path | None = None, init_normalizers: str = "keep"
           ) -> dict[str, Any] | None:
     """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content."""
     trainer = Trainer(config, out_dir, data_root=data_root, resume=resume, progress=progress,
-                      parallel=parallel, device=device)
+                      parallel=parallel, device=device, init_from=init_from,
+                      init_normalizers=init_normalizers)
     return trainer.fit(stop_after=stop_after)

@@ -34,9 +34,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from flarepp.io import atomic_write_json
 from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
+from flarepp.storage.rundir import RunDir
 
 DecayRule = Callable[[str, nn.Parameter, nn.Module], bool]
 """``rule(name, parameter, owner) -> decayed?``; ``owner`` the module holding it directly."""
@@ -129,10 +129,8 @@ def describe_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer
 
 def write_param_groups(out_dir: str | Path, model: nn.Module,
                        optimizer: torch.optim.Optimizer) -> Path:
-    """``param_groups.json`` in ``out_dir``: :func:`describe_param_groups` of the run."""
-    path = Path(out_dir) / "param_groups.json"
-    atomic_write_json(path, {"groups": describe_param_groups(model, optimizer)})
-    return path
+    """The run's ``param_groups.json``: :func:`describe_param_groups` of the run."""
+    return RunDir(out_dir).write_param_groups(describe_param_groups(model, optimizer))
 
 
 __all__ = ["WEIGHT_DECAY_GROUPS", "build_optimizer", "build_scheduler",

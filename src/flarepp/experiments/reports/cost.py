@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from flarepp.experiments.engine import COST_NAME, run_dir
+from flarepp.experiments.engine import run_dir
 from flarepp.experiments.reports.common import Report, figure_module, fmt, markdown
 from flarepp.experiments.reports.rows import aggregate
+from flarepp.storage.rundir import RunDir
 
 MIXER_LABELS = {"flare": "FLARE", "flarepp": "FLARE++", "abupt": "AB-UPT"}
 MIXER_COLOURS = {"flare": "tab:blue", "flarepp": "tab:red", "abupt": "tab:green"}
@@ -39,14 +40,12 @@ def training_cost(directory: Path, epochs: int) -> dict[str, Any] | None:
     without ``cost.json`` is costed from its log (``epochs x`` the median epoch wall time
     after the first), ``estimate`` says which. None before anything was measured."""
     out: dict[str, Any] = {}
-    log = directory / "log.jsonl"
-    seconds = ([json.loads(line)["seconds"] for line in log.read_text().splitlines()
-                if line.strip()] if log.is_file() else [])
+    run = RunDir(directory)
+    seconds = [r["seconds"] for r in run.read_log()] if run.has_log() else []
     if seconds:
         out["measured_hours"] = float(sum(seconds)) / 3600.0
-    cost = directory / COST_NAME
-    if cost.is_file():
-        timing = json.loads(cost.read_text())
+    timing = run.read_cost()
+    if timing is not None:
         gpu = device_kind(timing["device"]) == "GPU"
         epoch = timing["epoch_seconds"] if gpu else timing["epoch_cpu_seconds"]
         out.update(epoch_seconds=timing["epoch_seconds"],
@@ -71,7 +70,7 @@ def configurations(rep: Report) -> list[dict[str, Any]]:
     for r in rep.rows:
         point = next(p for p in rep.study.points if p.name == r.point)
         r.extra.update(training_cost(run_dir(rep.out_dir, point), point.config.epochs) or {})
-        cases = run_dir(rep.out_dir, point) / "surface_errors.json"
+        cases = RunDir(run_dir(rep.out_dir, point)).file(RunDir.SURFACE_ERRORS)
         if r.status == "done" and cases.is_file():
             cases = json.loads(cases.read_text())["cases"]
             for channel in cases[0]["nmse_channels"] if cases else ():

@@ -30,9 +30,11 @@ from flarepp.experiments.engine import run_dir
 from flarepp.experiments.reports.common import Report, figure_module, fmt, markdown, spread
 from flarepp.experiments.reports.rows import Row, aggregate, csv_text
 from flarepp.io import atomic_write_text
+from flarepp.storage.rundir import RunDir
 
-ROLLOUT_NAME = "test_rollout.npz"
-"""The rollout task's per-trajectory, per-step test errors in a run directory."""
+def _rollout_file(rep: Report, point: str) -> Path:
+    """The rollout task's per-trajectory, per-step test errors in a point's run directory."""
+    return RunDir(run_dir(rep.out_dir, point)).file(RunDir.ROLLOUT, split="test")
 
 
 def _groups(rep: Report, rows: list[Row]):
@@ -46,7 +48,7 @@ def _name(key: dict) -> str:
 
 def rollout_report(rep: Report) -> None:
     """The error against rollout step (module docstring)."""
-    done = [r for r in rep.done if (run_dir(rep.out_dir, r.point) / ROLLOUT_NAME).is_file()]
+    done = [r for r in rep.done if _rollout_file(rep, r.point).is_file()]
     if not done:
         return
     keys, groups = _groups(rep, done)
@@ -57,7 +59,7 @@ def rollout_report(rep: Report) -> None:
     for g in groups:
         per_run = []
         for r in g.rows:
-            with np.load(run_dir(rep.out_dir, r.point) / ROLLOUT_NAME) as f:
+            with np.load(_rollout_file(rep, r.point)) as f:
                 per_run.append(f["rel_l2"].mean(0))                    # [steps]
         steps = min(len(c) for c in per_run)
         curves = np.array([c[:steps] for c in per_run])                 # [seeds, steps]
@@ -102,8 +104,7 @@ AROUND = 10
 def _log(directory: Path, metric: str) -> dict:
     """A run's logged test metric per epoch, its cumulative training seconds, and every
     step's loss with its (1-based) epoch."""
-    records = [json.loads(line) for line in (directory / "log.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = RunDir(directory).read_log()
     seconds = np.cumsum([r["seconds"] for r in records])
     tested = [(r, float(t)) for r, t in zip(records, seconds) if f"test_{metric}" in r]
     return {"epochs": [r["epoch"] for r, _ in tested],
@@ -195,4 +196,4 @@ def growth_report(rep: Report) -> None:
     rep.lines += ["", f"![rank growth]({rep.paths['growth'].name})"]
 
 
-__all__ = ["GROWTH_THRESHOLDS", "ROLLOUT_NAME", "growth_report", "rollout_report"]
+__all__ = ["GROWTH_THRESHOLDS", "growth_report", "rollout_report"]

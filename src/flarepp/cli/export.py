@@ -1,0 +1,38 @@
+"""``flarepp export``: a run as a standalone file (pt2, ONNX or safetensors)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flarepp.cli import check_output
+
+
+def _export(args: argparse.Namespace) -> int:
+    from flarepp.inference.export import export_run
+    from flarepp.storage.rundir import RunDir
+    run = Path(args.run)
+    out = args.out or RunDir(run if run.is_dir() else run.parent.parent).exported(args.format)
+    check_output(out, directory=False)
+    written = export_run(run, out, args.format, weights=args.weights)
+    print(json.dumps(written))
+    print(f"wrote {written['path']} ({args.format}: x [B, N, {written['inputs']['x'][2]}] "
+          f"and mask [B, N] -> y [B, N, {written['outputs']['y'][2]}] in physical units; "
+          f"checked at another B and N: largest difference {written['deviation']:.1e} of "
+          "the largest output)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.inference.export import FORMATS
+    p = sub.add_parser("export", help="a run's model with its normalisers as a standalone "
+                       "file: pt2 (torch.export), onnx, safetensors")
+    p.add_argument("run", help="a run directory (its reported checkpoint) or a checkpoint")
+    p.add_argument("--format", choices=FORMATS, required=True,
+                   help="pt2: torch.export, loads with torch alone; onnx: dynamo exporter, "
+                        "for onnxruntime; safetensors: weights, normalisers, model config")
+    p.add_argument("--out", help="the file to write (default: RUN/model.<format>)")
+    p.add_argument("--weights", choices=("raw", "ema"),
+                   help="which weights (default: those the run reports)")
+    p.set_defaults(func=_export)
