@@ -2,7 +2,8 @@
 
 Every experiment command (``sweep``, ``compare``, ``lra compare``, ``drivaerml pareto``)
 builds a study and hands it to :func:`execute`; ``flarepp sweep --out DIR`` continues any
-of them, ``flarepp sweep report DIR`` reports on any of them.
+of them, ``flarepp sweep report DIR`` reports on any of them. ``--search optuna`` samples
+the ``--grid`` space adaptively instead (:mod:`flarepp.experiments.search`).
 """
 
 from __future__ import annotations
@@ -11,32 +12,42 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, at_least
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
-            report: bool = True) -> int:
-    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
+            report: bool = True, track=None, trials: int | None = None) -> int:
+    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there; a
+    :class:`~flarepp.experiments.search.SearchSpec`: a search of ``trials`` trials -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
-    from flarepp.experiments.engine import StudyInterrupted, run_study
-    from flarepp.experiments.studies import open_any_study
+    from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
     from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.search import SearchSpec, run_search, stored_search
+    from flarepp.experiments.studies import open_any_study
     study = open_any_study(out) if study is None else study
+    if not isinstance(study, SearchSpec) and study.kind == "search":
+        study, stored = stored_search(study)
+        trials = trials or stored
+    elif trials is not None and not isinstance(study, SearchSpec):
+        raise CLIError(f"--trials: {out} holds a grid, not a search")
+    log = (lambda _: None) if quiet else print
     try:
-        done = run_study(study, out, runtime=runtime,
-                         log=(lambda _: None) if quiet else print)
+        done = (run_search(study, out, trials, runtime=runtime, track=track, log=log)
+                if isinstance(study, SearchSpec)
+                else run_study(study, out, runtime=runtime, track=track, log=log))
     except StudyInterrupted as err:
         print(f"flarepp: {err}", file=sys.stderr)
         return err.exit_code
-    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed "
-          f"(final), {len(done['error'])} left for a rerun by an error, "
+    pruned = f"{len(done['pruned'])} pruned, " if "pruned" in done else ""
+    print(f"this process: {len(done['finished'])} finished, {pruned}{len(done['failed'])} "
+          f"failed (final), {len(done['error'])} left for a rerun by an error, "
           f"{len(done['skipped'])} held by other processes, {len(done['reused'])} already "
           "done")
     if done["error"]:
         print(f"points left by an error (see {Path(out) / 'events.jsonl'}): "
-              f"{', '.join(done['error'])}; fix the cause and run `{study.continue_with}`",
-              file=sys.stderr)
+              f"{', '.join(done['error'])}; fix the cause and run "
+              f"`{continue_command(out)}`", file=sys.stderr)
     if report:
         paths = write_report(out)
         print("\n".join(str(p) for p in paths.values()))
@@ -44,7 +55,9 @@ def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] |
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from flarepp.cli.tracking import track_settings
     from flarepp.experiments.reporting import write_report
+    from flarepp.experiments.search import search_spec
     from flarepp.experiments.studies import parse_axes, sweep_study
     if args.preset == "report":
         if not args.directory:
@@ -56,19 +69,34 @@ def _sweep(args: argparse.Namespace) -> int:
                        "--grid ... --out DIR; a report: flarepp sweep report DIR)")
     if args.out is None:
         raise CLIError("give --out DIR (the sweep's directory)")
+    searching = dict(sampler=args.sampler, pruner=args.pruner,
+                     startup_trials=args.startup_trials)
+    if not args.search and (args.trials or any(v is not None for v in searching.values())):
+        raise CLIError("--trials, --sampler, --pruner and --startup-trials need "
+                       "--search optuna")
     axes = parse_axes(args.grid or [])
+    run = dict(quiet=args.quiet, report=args.report, track=track_settings(args),
+               trials=args.trials)
     if args.preset is None and not any(k == "preset" for k, _ in axes):
-        if args.grid or args.data:
-            raise CLIError("--grid and --data describe a new sweep: give its PRESET")
+        if args.grid or args.data or any(v is not None for v in searching.values()):
+            raise CLIError("--grid, --data, --sampler, --pruner and --startup-trials "
+                           "describe a new study: give its PRESET")
         # continuing: --set may only change how this process runs (device=cpu)
-        return execute(None, args.out, quiet=args.quiet, runtime=args.set or [],
-                       report=args.report)
+        return execute(None, args.out, runtime=args.set or [], **run)
+    if args.search:
+        if args.trials is None:
+            raise CLIError("--search optuna needs --trials K (the trials of the study)")
+        spec = search_spec(args.preset, axes, sets=args.set or [], data=args.data,
+                           **{k: v for k, v in searching.items() if v is not None})
+        return execute(spec, args.out, **run)
     study = sweep_study(args.preset or dict(axes)["preset"][0], axes, sets=args.set or [],
                         data=args.data)
-    return execute(study, args.out, quiet=args.quiet, report=args.report)
+    return execute(study, args.out, **run)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.tracking import add_tracking_arguments
+    from flarepp.experiments.search import PRUNERS, SAMPLERS
     p = sub.add_parser("sweep", help="train a grid of runs over config keys (resumable, "
                                      "shareable by several processes); `sweep --out DIR` "
                                      "continues any study, `sweep report DIR` reports on it")
@@ -78,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
                    help="axes of the grid, e.g. model.mixer=flare,flarepp model.blocks=2,4 "
                         "seed=0,1,2 precision=fp32,fp16 data_root=A,B (any --set key) or "
-                        "preset=P1,P2")
+                        "preset=P1,P2; with --search also ranges: lr=1e-4:1e-2:log, "
+                        "pct_start=0.1:0.3, model.latents=16..64")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override the preset for every point (repeatable); when continuing "
                         "a study, runtime fields only (device=cpu)")
@@ -87,4 +116,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    p.add_argument("--search", choices=["optuna"],
+                   help="sample the --grid space adaptively (Optuna; pip install "
+                        "'flarepp[search]'): each trial is a point of the study")
+    p.add_argument("--trials", type=at_least(1), metavar="K",
+                   help="with --search: the study's number of trials (shared by workers)")
+    p.add_argument("--sampler", choices=SAMPLERS.names(), help="with --search (default tpe)")
+    p.add_argument("--pruner", choices=PRUNERS.names(),
+                   help="with --search: stop trials early on the validation metric "
+                        "(default median)")
+    p.add_argument("--startup-trials", type=at_least(0), metavar="N",
+                   help="with --search: trials drawn at random and never pruned before "
+                        "TPE and the pruner start (default 5)")
+    add_tracking_arguments(p)
     p.set_defaults(func=_sweep)

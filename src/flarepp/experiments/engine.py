@@ -24,7 +24,9 @@ another config is an error, never a stale table entry; a finished run of other d
 not reused.
 
 One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
-is final -- ``failed.json`` records it, the point is not retried, the report shows it.
+is final -- ``failed.json`` records it, the point is not retried, the report shows it; so is
+a run a callback pruned (an adaptive search's pruner: ``pruned.json``, its state
+checkpointed).
 Anything else (a full disk, a locked run directory, other data at the path, CUDA out of
 memory, a bug) is recorded as an ``error`` event and leaves the point resumable from its
 checkpoints: the next run of the study retries it once the cause is fixed.
@@ -43,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from flarepp.io import atomic_write_json
 from flarepp.storage.config import RunConfig
@@ -52,6 +54,7 @@ from flarepp.train.checks import apply_overrides
 STUDY_NAME = "study.json"
 EVENTS_NAME = "events.jsonl"
 FAILED_NAME = "failed.json"
+PRUNED_NAME = "pruned.json"
 COST_NAME = "cost.json"
 FORMAT = 1
 
@@ -139,8 +142,9 @@ def resolve_paths(study: Study, out_dir: Path) -> Study:
 
 
 @contextlib.contextmanager
-def _creation_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive, blocking lock on ``out_dir/.study.lock`` (held for milliseconds)."""
+def study_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive, blocking lock on ``out_dir/.study.lock`` (held for milliseconds): the
+    creation and growth of ``study.json``, and an adaptive search's trial bookkeeping."""
     fd = os.open(out_dir / ".study.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -157,17 +161,22 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
     out_dir = Path(out_dir)
     study = resolve_paths(study, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _creation_lock(out_dir):
+    with study_lock(out_dir):
         path = out_dir / STUDY_NAME
         stored = Study.from_dict(json.loads(path.read_text())) if path.exists() else None
         if stored is None or _grows(study, stored):
-            atomic_write_json(path, study.to_dict())
+            store_study(out_dir, study)
             return study
     if stored.identity() != study.identity():
         raise StudyConflict(f"{str(out_dir)!r} holds another study ({_difference(stored, study)});"
                             f" continue it with `{stored.continue_with}`, ask for all of its "
                             "points (and more, to grow it) or choose another --out")
     return stored
+
+
+def store_study(out_dir: Path, study: Study) -> None:
+    """Write ``study`` as the study of ``out_dir`` (the caller holds :func:`study_lock`)."""
+    atomic_write_json(Path(out_dir) / STUDY_NAME, study.to_dict())
 
 
 def _grows(study: Study, stored: Study) -> bool:
@@ -249,10 +258,18 @@ def run_dir(out_dir: str | Path, point: Point | str) -> Path:
     return Path(out_dir) / "runs" / (point if isinstance(point, str) else point.name)
 
 
+def point_claim(out_dir: str | Path, name: str):
+    """The claim of point ``name`` (module docstring): a process trains the point only while
+    it holds it; ``acquire()`` raises ``RunLocked`` while another process does."""
+    from flarepp.storage.rundir import RunLock
+    return RunLock(Path(out_dir) / "claims" / name)
+
+
 @dataclass
 class PointState:
-    """``status``: ``done``, ``failed`` (numerically, final) or ``pending``; ``error``: why
-    a failed point failed, or why a finished run is not reused."""
+    """``status``: ``done``, ``failed`` (numerically, final), ``pruned`` (stopped by a
+    pruner, final) or ``pending``; ``error``: why a failed point failed or a pruned one was
+    pruned, or why a finished run is not reused."""
 
     status: str
     metrics: dict[str, Any] | None = None
@@ -327,6 +344,9 @@ def point_state(out_dir: Path, point: Point,
     failure = read_failure(directory)
     if failure is not None:
         return PointState("failed", error=failure["error"])
+    if (directory / PRUNED_NAME).is_file():
+        return PointState("pruned", error=json.loads((directory / PRUNED_NAME).read_text())
+                          ["reason"])
     return PointState("pending")
 
 
@@ -368,12 +388,20 @@ def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
 
 
 def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
-                log: Callable[[str], None], tag: str) -> str:
+                log: Callable[[str], None], tag: str, *, callbacks: Sequence[Any] = (),
+                track: Any = None) -> str:
     """Time (if the study asks) and train or resume one claimed point; returns ``finished``,
-    ``failed`` (numerically: final, ``failed.json``) or ``error`` (resumable; an event)."""
+    ``failed`` (numerically: final, ``failed.json``), ``pruned`` (a callback stopped it:
+    final, ``pruned.json``) or ``error`` (resumable; an event). ``callbacks`` go to the
+    trainer (:mod:`flarepp.train.callbacks`); ``track`` (a
+    :class:`~flarepp.train.tracking.TrackSettings`) adds a tracker, the study's directory
+    naming its experiment, and has the run's figures drawn for it."""
     from flarepp.train import Trainer, latest_checkpoint
+    from flarepp.train.callbacks import TrainingPruned
     from flarepp.train.loop import TrainingInterrupted
     directory = run_dir(out_dir, point)
+    if track is not None:
+        callbacks = [*track.callbacks(directory, point.name, study=out_dir), *callbacks]
     try:
         if study.timing_epochs and not (directory / COST_NAME).is_file():
             cost = time_epoch(config, epochs=study.timing_epochs)
@@ -385,7 +413,13 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
         resume = latest_checkpoint(directory) is not None
         record_event(out_dir, point.name, "resume" if resume else "start")
         log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
-        metrics = Trainer(config, directory, resume=resume, progress=False).fit()
+        metrics = Trainer(config, directory, resume=resume, progress=False,
+                          callbacks=callbacks, plot=track is not None).fit()
+    except TrainingPruned as err:
+        atomic_write_json(directory / PRUNED_NAME, {"reason": err.reason, "epoch": err.epoch})
+        record_event(out_dir, point.name, "prune", epoch=err.epoch, reason=err.reason)
+        log(f"{tag}: pruned after epoch {err.epoch} (final): {err.reason}")
+        return "pruned"
     except FloatingPointError as err:
         atomic_write_json(directory / FAILED_NAME, {"error": str(err),
                                                     "type": type(err).__name__})
@@ -409,20 +443,26 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
     return "finished"
 
 
-def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
-              log: Callable[[str], None] = print) -> dict[str, list[str]]:
-    """Train every point of ``study`` that is neither finished nor held by another process
-    (the study is created in ``out_dir`` first, or joined: :func:`create_study`).
-
-    ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
-    only. Returns this process's point names by outcome: ``finished``, ``failed``,
-    ``error`` (left resumable), ``skipped`` (held by another process), ``reused``."""
+def check_runtime(runtime: list[str] | None) -> None:
+    """Refuse ``--set`` items of a process joining a study that are not runtime fields."""
     from flarepp.storage.config import RUNTIME_FIELDS
-    from flarepp.storage.rundir import RunLock, RunLocked
     for item in runtime or []:
         if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
             raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
                              "may differ between the processes of a study")
+
+
+def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
+              log: Callable[[str], None] = print, track: Any = None) -> dict[str, list[str]]:
+    """Train every point of ``study`` that is neither finished nor held by another process
+    (the study is created in ``out_dir`` first, or joined: :func:`create_study`).
+
+    ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
+    only; ``track`` sends this process's runs to a tracker (:func:`train_point`). Returns
+    this process's point names by outcome: ``finished``, ``failed``, ``error`` (left
+    resumable), ``skipped`` (held by another process), ``reused``."""
+    from flarepp.storage.rundir import RunLocked
+    check_runtime(runtime)
     out_dir = Path(out_dir)
     study = create_study(out_dir, study)
     fingerprints = DataFingerprints()
@@ -454,7 +494,7 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
         if now.status == "done":
             done["reused"].append(point.name)
             continue
-        claim = RunLock(out_dir / "claims" / point.name)
+        claim = point_claim(out_dir, point.name)
         try:
             claim.acquire()
         except RunLocked:
@@ -467,7 +507,8 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
             if now.error:
                 log(f"{tag}: not reused: {now.error}")
             config = apply_overrides(point.config, runtime) if runtime else point.config
-            done[train_point(study, out_dir, point, config, log, tag)].append(point.name)
+            done[train_point(study, out_dir, point, config, log, tag, track=track)
+                 ].append(point.name)
         finally:
             claim.release()
     return done
@@ -478,6 +519,6 @@ def finite(value: Any) -> bool:
 
 
 __all__ = ["DataFingerprints", "continue_command", "Point", "PointState", "Study", "StudyConflict",
-           "StudyInterrupted", "create_study", "open_study", "point_state", "read_events",
-           "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
-           "train_point"]
+           "StudyInterrupted", "check_runtime", "create_study", "open_study", "point_claim",
+           "point_state", "read_events", "read_failure", "record_event", "run_dir",
+           "run_study", "store_study", "study_lock", "time_epoch", "train_point"]

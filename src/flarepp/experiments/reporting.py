@@ -1,8 +1,9 @@
 """A study's report: ``results.csv`` and ``report.md`` from every registered plug-in.
 
 The plug-ins live in :mod:`.reports` (runs, Table 11 seeds, Figure 4 depth, Figure 7
-precision), :mod:`.report_cost` (Figure 5), :mod:`.report_tables` (Tables 1 and 12) and
-:mod:`.report_stats` (a setting chosen on validation, paired differences of mixers);
+precision), :mod:`.report_cost` (Figure 5), :mod:`.report_tables` (Tables 1 and 12),
+:mod:`.report_stats` (a setting chosen on validation, paired differences of mixers) and
+:mod:`.report_search` (an adaptive search's trials);
 importing them here is what registers them all in :data:`~.reports.REPORTS`.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flarepp.experiments import report_cost, report_stats, report_tables  # noqa: F401  (register)
+from flarepp.experiments import (report_cost, report_search, report_stats,  # noqa: F401
+                                 report_tables)  # (register)
 from flarepp.experiments.reports import REPORTS, Report, collect, csv_text
 from flarepp.io import atomic_write_text
 
@@ -32,7 +34,8 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     atomic_write_text(rep.paths["csv"], csv_text(
         [fields] + [["" if r.get(k) is None else r.get(k) for k in fields] for r in rows]))
     title = {"sweep": "Sweep", "compare": "Comparison", "lra": "LRA comparison",
-             "pareto": "Error against training cost"}.get(study.kind, study.kind)
+             "pareto": "Error against training cost",
+             "search": "Search"}.get(study.kind, study.kind)
     head = [f"# {title}: {out_dir.name}", "",
             f"Continue with `{study.continue_with}`; data: "
             + ", ".join(sorted({f"`{p.config.data_root}`" for p in study.points})) + "."]

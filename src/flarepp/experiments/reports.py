@@ -1,8 +1,8 @@
 """Reports of a study: one row per point, one seed aggregation, report plug-ins by name.
 
 :func:`collect` reads a study's directory into one row per point: its labels, ``status``
-(``done``, ``failed`` or ``pending``), ``error`` (why it failed, or the last error that
-left it pending), the task's own metric (``metric`` = the task's ``headline``; ``value``
+(``done``, ``failed``, ``pruned`` or ``pending``), ``error`` (why it failed or was pruned,
+or the last error that left it pending), the task's own metric (``metric`` = the task's ``headline``; ``value``
 its test value, ``train_value`` its train value where the task evaluates one, both of the
 weights named in ``weights``; ``value_raw`` and ``value_ema`` the test values of the raw
 and the EMA weights where the run stored them; a run written before both were stored
@@ -181,12 +181,14 @@ REPORTS: Registry[Callable[[Report], None]] = Registry("report")
 
 @REPORTS.register("runs", doc="every point: status, the task's test (train) metric, error")
 def runs_report(rep: Report) -> None:
-    counts = {s: sum(r["status"] == s for r in rep.rows) for s in ("done", "failed", "pending")}
+    counts = {s: sum(r["status"] == s for r in rep.rows)
+              for s in ("done", "failed", "pruned", "pending")}
     lower = {r["lower_is_better"] for r in rep.rows}
     sense = ("lower is better" if lower == {True} else "higher is better" if lower == {False}
              else "")
+    pruned = f"{counts['pruned']} pruned, " if counts["pruned"] else ""
     rep.lines += [f"Points: {len(rep.rows)} ({counts['done']} done, {counts['failed']} failed, "
-                  f"{counts['pending']} pending). Metric: the task's own, test "
+                  f"{pruned}{counts['pending']} pending). Metric: the task's own, test "
                   f"`{rep.metric_name()}` ({sense}; train in brackets where evaluated) of the "
                   "weights each run names (`weights`, config `eval_weights`; raw and EMA "
                   "beside it where stored); "
