@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -113,7 +112,7 @@ def test_search_options_are_checked_and_a_missing_optuna_names_its_extra(tmp_pat
     assert main([*base, "--trials", "4"]) == 2
     assert "need --search optuna" in capsys.readouterr().err
     assert main([*base, "--search", "optuna"]) == 2
-    assert "needs --trials K" in capsys.readouterr().err
+    assert "and --trials K" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises ImportError
     assert main([*base, "--search", "optuna", "--trials", "4"]) == 2
     assert "pip install 'flarepp[search]'" in capsys.readouterr().err
@@ -177,11 +176,12 @@ def test_an_8_trial_search_with_2_workers_prunes_the_bad_setting(tmp_path, darcy
 @pytest.mark.slow
 def test_a_worker_killed_mid_trial_leaves_its_point_resumable(tmp_path, darcy_dir):
     """A worker is SIGKILLed while its trial's point is half-trained; the next worker
-    (`flarepp sweep --out DIR`, the stored search) fails that trial as stale, retries its
-    values, which resume the point from its checkpoint, and finishes the search (TPE): each
-    point's log holds every epoch once, the killed trial is failed and replaced, and the
-    trial budget counts the retry, not the stale trial. A failure means a dead worker's
-    trial stays running forever, or its point is trained twice."""
+    (`flarepp sweep --out DIR --trials 3`: the stored search, given one more trial) fails
+    that trial as stale, retries its values, which resume the point from its checkpoint,
+    and finishes the search (TPE): each point's log holds every epoch once, the killed
+    trial is failed and replaced, and the trial count counts the retry, not the stale
+    trial. A failure means a dead worker's trial stays running forever, or its point is
+    trained twice."""
     out = tmp_path / "s"
     sets = [*TINY, "epochs=10"]
     command = ["sweep", "darcy-tiny", "--data", str(darcy_dir), "--out", str(out),
@@ -197,7 +197,7 @@ def test_a_worker_killed_mid_trial_leaves_its_point_resumable(tmp_path, darcy_di
     first.wait()
     assert half is not None and not (half / "metrics.json").exists(), \
         "the worker ended before it could be killed mid-trial"
-    second = _worker(["sweep", "--out", str(out), "--quiet"])
+    second = _worker(["sweep", "--out", str(out), "--trials", "3", "--quiet"])
     _, err = second.communicate(timeout=600)
     assert second.returncode == 0, err.decode()[-3000:]
     events = read_events(out)
@@ -207,6 +207,7 @@ def test_a_worker_killed_mid_trial_leaves_its_point_resumable(tmp_path, darcy_di
         assert [r["epoch"] for r in read_json_lines(run / "log.jsonl")] == list(range(1, 11))
     trials = open_search(_spec(darcy_dir, grid=["lr=1e-3:1e-2:log"], sets=sets), out
                          ).get_trials()
-    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE", "COMPLETE"]
     assert trials[1].user_attrs["retry_of"] == 0 and trials[1].params == trials[0].params
-    assert len(counted(trials)) == 2
+    assert len(counted(trials)) == 3
+    assert json.loads((out / "study.json").read_text())["info"]["trials"] == 3

@@ -69,29 +69,31 @@ def _sweep(args: argparse.Namespace) -> int:
                        "--grid ... --out DIR; a report: flarepp sweep report DIR)")
     if args.out is None:
         raise CLIError("give --out DIR (the sweep's directory)")
-    searching = dict(sampler=args.sampler, pruner=args.pruner,
-                     startup_trials=args.startup_trials)
-    if not args.search and (args.trials or any(v is not None for v in searching.values())):
-        raise CLIError("--trials, --sampler, --pruner and --startup-trials need "
-                       "--search optuna")
     axes = parse_axes(args.grid or [])
+    searching = {k: v for k, v in dict(sampler=args.sampler, pruner=args.pruner,
+                                       startup_trials=args.startup_trials).items()
+                 if v is not None}
     run = dict(quiet=args.quiet, report=args.report, track=track_settings(args),
                trials=args.trials)
     if args.preset is None and not any(k == "preset" for k, _ in axes):
-        if args.grid or args.data or any(v is not None for v in searching.values()):
+        if args.grid or args.data or searching:
             raise CLIError("--grid, --data, --sampler, --pruner and --startup-trials "
                            "describe a new study: give its PRESET")
-        # continuing: --set may only change how this process runs (device=cpu)
+        # continuing (a search may be given more --trials): --set may only change how this
+        # process runs (device=cpu)
         return execute(None, args.out, runtime=args.set or [], **run)
-    if args.search:
-        if args.trials is None:
-            raise CLIError("--search optuna needs --trials K (the trials of the study)")
-        spec = search_spec(args.preset, axes, sets=args.set or [], data=args.data,
-                           **{k: v for k, v in searching.items() if v is not None})
-        return execute(spec, args.out, **run)
-    study = sweep_study(args.preset or dict(axes)["preset"][0], axes, sets=args.set or [],
-                        data=args.data)
-    return execute(study, args.out, **run)
+    if not args.search:
+        if args.trials or searching:
+            raise CLIError("--trials, --sampler, --pruner and --startup-trials need "
+                           "--search optuna")
+        study = sweep_study(args.preset or dict(axes)["preset"][0], axes,
+                            sets=args.set or [], data=args.data)
+        return execute(study, args.out, **run)
+    if args.preset is None or args.trials is None:
+        raise CLIError("--search optuna needs a PRESET (fixed: a search does not vary it) "
+                       "and --trials K (the trials of the study)")
+    spec = search_spec(args.preset, axes, sets=args.set or [], data=args.data, **searching)
+    return execute(spec, args.out, **run)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --search: stop trials early on the validation metric "
                         "(default median)")
     p.add_argument("--startup-trials", type=at_least(0), metavar="N",
-                   help="with --search: trials drawn at random and never pruned before "
-                        "TPE and the pruner start (default 5)")
+                   help="with --search: TPE draws the first N trials at random, and "
+                        "nothing is pruned before N have completed (default 5)")
     add_tracking_arguments(p)
     p.set_defaults(func=_sweep)

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
