@@ -45,11 +45,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from flarepp.io import atomic_write_json
 from flarepp.storage.config import RunConfig
 from flarepp.train.checks import apply_overrides
+
+if TYPE_CHECKING:
+    from flarepp.train.callbacks import TrainerCallback
+    from flarepp.train.tracking import TrackSettings
 
 STUDY_NAME = "study.json"
 EVENTS_NAME = "events.jsonl"
@@ -388,8 +392,9 @@ def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
 
 
 def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
-                log: Callable[[str], None], tag: str, *, callbacks: Sequence[Any] = (),
-                track: Any = None) -> str:
+                log: Callable[[str], None], tag: str, *,
+                callbacks: Sequence[TrainerCallback] = (),
+                track: TrackSettings | None = None) -> str:
     """Time (if the study asks) and train or resume one claimed point; returns ``finished``,
     ``failed`` (numerically: final, ``failed.json``), ``pruned`` (a callback stopped it:
     final, ``pruned.json``) or ``error`` (resumable; an event). ``callbacks`` go to the
@@ -453,7 +458,8 @@ def check_runtime(runtime: list[str] | None) -> None:
 
 
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
-              log: Callable[[str], None] = print, track: Any = None) -> dict[str, list[str]]:
+              log: Callable[[str], None] = print,
+              track: TrackSettings | None = None) -> dict[str, list[str]]:
     """Train every point of ``study`` that is neither finished nor held by another process
     (the study is created in ``out_dir`` first, or joined: :func:`create_study`).
 

@@ -1,8 +1,8 @@
 """Reports of a study: one row per point, one seed aggregation, report plug-ins by name.
 
 :func:`collect` reads a study's directory into one row per point: its labels, ``status``
-(``done``, ``failed``, ``pruned`` or ``pending``), ``error`` (why it failed or was pruned,
-or the last error that left it pending), the task's own metric (``metric`` = the task's ``headline``; ``value``
+(``done``, ``failed`` or ``pending``), ``error`` (why it failed, or the last error that
+left it pending), the task's own metric (``metric`` = the task's ``headline``; ``value``
 its test value, ``train_value`` its train value where the task evaluates one, both of the
 weights named in ``weights``; ``value_raw`` and ``value_ema`` the test values of the raw
 and the EMA weights where the run stored them; a run written before both were stored

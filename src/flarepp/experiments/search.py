@@ -47,7 +47,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flarepp.experiments.engine import (DataFingerprints, Point, Study, StudyConflict,
                                         StudyInterrupted, check_runtime, open_study,
@@ -60,6 +60,9 @@ from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
 from flarepp.train.callbacks import TrainerCallback
 from flarepp.train.checks import apply_overrides
+
+if TYPE_CHECKING:
+    from flarepp.train.tracking import TrackSettings
 
 JOURNAL_NAME = "optuna.journal"
 OPTUNA_STUDY = "flarepp"
@@ -386,7 +389,7 @@ OUTCOMES = ("finished", "pruned", "failed", "error", "reused", "skipped")
 
 
 def run_search(spec: SearchSpec, out_dir: str | Path, trials: int, *,
-               runtime: list[str] | None = None, track: Any = None,
+               runtime: list[str] | None = None, track: TrackSettings | None = None,
                log: Callable[[str], None] = print) -> dict[str, list[str]]:
     """Ask and evaluate trials of the search in ``out_dir`` until it has ``trials`` (module
     docstring); several processes may run it at once. Returns this process's point names by
@@ -464,7 +467,7 @@ def _add_point(out_dir: Path, spec: SearchSpec, point: Point, trials: int) -> St
 
 
 def _evaluate(optuna_study: Any, trial: Any, study: Study, out_dir: Path, point: Point,
-              spec: SearchSpec, runtime: list[str] | None, track: Any,
+              spec: SearchSpec, runtime: list[str] | None, track: TrackSettings | None,
               fingerprints: DataFingerprints, log: Callable[[str], None]) -> str:
     """Evaluate one claimed trial: tell its result, training its point unless evaluated."""
     state_of = _states()

@@ -356,5 +356,6 @@ def legacy_study(out_dir: str | Path) -> Study | None:
                  timing_epochs=2)
 
 
-__all__ = ["Range", "SWEEP_REPORTS", "compare_study", "parse_range", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
-           "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study"]
+__all__ = ["SWEEP_REPORTS", "compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
+           "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study",
+           "Range", "parse_range"]
