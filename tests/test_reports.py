@@ -17,7 +17,7 @@ import pytest
 from flarepp.experiments.engine import run_dir
 from flarepp.experiments.reports import (REPORTS, Row, collect, read_results, status_counts,
                                          training_hours, write_report)
-from flarepp.experiments.reports import cost, curves, runs, stats, tables
+from flarepp.experiments.reports import cost, curves, runs, search, stats, tables
 from flarepp.experiments.reports.rows import results_text
 from flarepp.experiments.studies import SWEEP_REPORTS
 from flarepp.storage.rundir import RunDir
@@ -68,7 +68,7 @@ def test_a_label_shows_in_its_column_and_measured_fields_win():
         "point", "mixer", "blocks", "latents", "precision", "seed", "sdpa_scale"]
     rows = [row, dataclasses.replace(row, status="failed", seconds=3600.0),
             dataclasses.replace(row, status="pending", seconds=1800.0)]
-    assert status_counts(rows) == {"done": 1, "failed": 1, "pending": 1}
+    assert status_counts(rows) == {"done": 1, "failed": 1, "pruned": 0, "pending": 1}
     assert training_hours(rows) == pytest.approx(1.5)
 
 
@@ -78,10 +78,10 @@ def test_every_plug_in_is_listed_once_and_every_listed_study_names_one():
     study names exist. A failure means a plug-in nobody can run, or a study whose report
     names an unknown one."""
     listed = {REPORTS.get(n) for n in REPORTS.names()}
-    defined = {f for module in (cost, curves, runs, stats, tables)
+    defined = {f for module in (cost, curves, runs, search, stats, tables)
                for name, f in inspect.getmembers(module, inspect.isfunction)
                if name.endswith("_report") and f.__module__ == module.__name__}
-    assert listed == defined and len(REPORTS) == len(defined) == 12
+    assert listed == defined and len(REPORTS) == len(defined) == 13
     for name in (*SWEEP_REPORTS, "table1", "lra", "cost"):
         assert name in REPORTS
 

@@ -68,15 +68,17 @@ def launch_spec(args: argparse.Namespace, runtime: list[str]):
                       tuple(pairs), grace, tuple(runtime))
 
 
-def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool) -> int:
-    """Launch ``spec``'s workers on ``study`` in ``out``; say what they did (exit 1 when a
-    point is left pending or a worker died, 0 otherwise)."""
+def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool,
+                 track=None) -> int:
+    """Launch ``spec``'s workers on ``study`` in ``out`` (``track``: where they track their
+    runs); say what they did (exit 1 when a point is left pending or a worker died, 0
+    otherwise)."""
     from flarepp.experiments.launch import launch
     from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import open_any_study
     study = open_any_study(out) if study is None else study
     wait = wait or spec.launcher == "local"
-    done = launch(study, out, spec, wait=wait)
+    done = launch(study, out, spec, wait=wait, track=track)
     print(f"started {len(done.jobs)} {spec.launcher} worker(s): job(s) "
           f"{', '.join(str(j.job_id) for j in done.jobs)}; their logs are in {done.folder}",
           flush=True)

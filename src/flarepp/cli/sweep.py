@@ -2,9 +2,12 @@
 
 Every experiment command (``sweep``, ``compare``, ``lra compare``, ``drivaerml pareto``)
 builds a study and hands it to :func:`execute`; ``flarepp sweep --out DIR`` continues any
-of them, ``flarepp sweep report DIR`` reports on any of them. ``flarepp sweep --plan FILE``
-runs (or joins) every study of a plan file in turn (:mod:`flarepp.experiments.plan`),
-``flarepp sweep report --plan FILE`` writes their reports and the plan's page.
+of them, ``flarepp sweep report DIR`` reports on any of them. ``--search optuna`` samples
+the ``--grid`` space adaptively instead (:mod:`flarepp.experiments.search`). ``flarepp sweep
+--plan FILE`` runs (or joins) every study of a plan file in turn
+(:mod:`flarepp.experiments.plan`), ``flarepp sweep report --plan FILE`` writes their reports
+and the plan's page. ``--launcher local|slurm`` starts workers for a grid
+(:mod:`flarepp.cli.launcher`).
 """
 
 from __future__ import annotations
@@ -13,27 +16,39 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError
+from flarepp.cli import CLIError, at_least
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
-            report: bool = True, claim_grace_s: float | None = None) -> int:
-    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there -- train
+            report: bool = True, track=None, trials: int | None = None,
+            claim_grace_s: float | None = None) -> int:
+    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there; a
+    :class:`~flarepp.experiments.search.SearchSpec`: a search of ``trials`` trials -- train
     its open points, print what this process did and write the report. Exit status 1 when
     a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
     from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
-    from flarepp.experiments.studies import open_any_study
     from flarepp.experiments.reports import write_report
+    from flarepp.experiments.search import SearchSpec, run_search, stored_search
+    from flarepp.experiments.studies import open_any_study
     from flarepp.storage.locks import GRACE_S
     study = open_any_study(out) if study is None else study
+    if not isinstance(study, SearchSpec) and study.kind == "search":
+        study, stored = stored_search(study)
+        trials = trials or stored
+    elif trials is not None and not isinstance(study, SearchSpec):
+        raise CLIError(f"--trials: {out} holds a grid, not a search")
+    log = (lambda _: None) if quiet else print
     try:
-        done = run_study(study, out, runtime=runtime, claim_grace_s=claim_grace_s or GRACE_S,
-                         log=(lambda _: None) if quiet else print)
+        done = (run_search(study, out, trials, runtime=runtime, track=track, log=log)
+                if isinstance(study, SearchSpec)
+                else run_study(study, out, runtime=runtime, track=track, log=log,
+                               claim_grace_s=claim_grace_s or GRACE_S))
     except StudyInterrupted as err:
         print(f"flarepp: {err}", file=sys.stderr)
         return err.exit_code
-    print(f"this process: {len(done['finished'])} finished, {len(done['failed'])} failed "
-          f"(final), {len(done['error'])} left for a rerun by an error, "
+    pruned = f"{len(done['pruned'])} pruned, " if "pruned" in done else ""
+    print(f"this process: {len(done['finished'])} finished, {pruned}{len(done['failed'])} "
+          f"failed (final), {len(done['error'])} left for a rerun by an error, "
           f"{len(done['skipped'])} held by other processes, {len(done['reused'])} already "
           "done")
     if done["error"]:
@@ -50,6 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     """``--plan FILE``: every study of the plan in turn, each created or joined, or (``report``)
     their reports and the plan's page."""
     from flarepp.experiments.engine import STUDY_NAME, check_runtime
+    from flarepp.cli.tracking import track_settings
     from flarepp.experiments.plan import read_plan, write_page
     from flarepp.experiments.reports import write_report
     if args.grid or args.directory or args.preset not in (None, "report"):
@@ -72,7 +88,8 @@ def _plan(args: argparse.Namespace) -> int:
             plan.data[name].make(data)
         print(f"{entry.name}: {entry.command(plan, data, out)}", flush=True)
         code = execute(study, out / entry.name, quiet=args.quiet, runtime=args.set or [],
-                       report=args.report, claim_grace_s=args.claim_grace)
+                       report=args.report, track=track_settings(args),
+                       claim_grace_s=args.claim_grace)
         if code > 1:  # interrupted: the rest waits for the rerun
             return code
         status = max(status, code)
@@ -81,7 +98,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from flarepp.cli.launcher import launch_spec, run_launched
+    from flarepp.cli.tracking import track_settings
     from flarepp.experiments.reports import write_report
+    from flarepp.experiments.search import search_spec
     from flarepp.experiments.studies import parse_axes, sweep_study
     if args.plan:
         return _plan(args)
@@ -98,20 +117,42 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.out is None:
         raise CLIError("give --out DIR (the sweep's directory)")
     axes = parse_axes(args.grid or [])
+    searching = {k: v for k, v in dict(sampler=args.sampler, pruner=args.pruner,
+                                       startup_trials=args.startup_trials).items()
+                 if v is not None}
+    track = track_settings(args)
     study, runtime = None, args.set or []  # continuing: --set may only change how it runs
-    if args.preset is not None or any(k == "preset" for k, _ in axes):
+    if args.preset is None and not any(k == "preset" for k, _ in axes):
+        if args.grid or args.data or searching:
+            raise CLIError("--grid, --data, --sampler, --pruner and --startup-trials "
+                           "describe a new study: give its PRESET")
+    elif not args.search:
+        if args.trials or searching:
+            raise CLIError("--trials, --sampler, --pruner and --startup-trials need "
+                           "--search optuna")
         study, runtime = sweep_study(args.preset or dict(axes)["preset"][0], axes,
                                      sets=args.set or [], data=args.data), []
-    elif args.grid or args.data:
-        raise CLIError("--grid and --data describe a new sweep: give its PRESET")
+    elif args.preset is None or args.trials is None:
+        raise CLIError("--search optuna needs a PRESET (fixed: a search does not vary it) "
+                       "and --trials K (the trials of the study)")
+    else:
+        study, runtime = search_spec(args.preset, axes, sets=args.set or [], data=args.data,
+                                     **searching), []
     launch = launch_spec(args, runtime)
     if launch is not None:
-        return run_launched(study, args.out, launch, wait=args.wait, report=args.report)
+        if args.search or args.trials:
+            raise CLIError("--launcher starts the workers of a grid; a search's workers are "
+                           "several `flarepp sweep --out DIR` processes (each asks Optuna "
+                           "for its next trial)")
+        return run_launched(study, args.out, launch, wait=args.wait, report=args.report,
+                            track=track)
     return execute(study, args.out, quiet=args.quiet, runtime=runtime, report=args.report,
-                   claim_grace_s=args.claim_grace)
+                   track=track, trials=args.trials, claim_grace_s=args.claim_grace)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.tracking import add_tracking_arguments
+    from flarepp.experiments.search import PRUNERS, SAMPLERS
     p = sub.add_parser("sweep", help="train a grid of runs over config keys (resumable, "
                                      "shareable by several processes); `sweep --out DIR` "
                                      "continues any study, `sweep report DIR` reports on it")
@@ -121,7 +162,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2",
                    help="axes of the grid, e.g. model.mixer=flare,flarepp model.blocks=2,4 "
                         "seed=0,1,2 precision=fp32,fp16 data_root=A,B (any --set key) or "
-                        "preset=P1,P2")
+                        "preset=P1,P2; with --search also ranges: lr=1e-4:1e-2:log, "
+                        "pct_start=0.1:0.3, model.latents=16..64")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override the preset for every point (repeatable); when continuing "
                         "a study or with --plan, runtime fields only (device=cpu)")
@@ -136,6 +178,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    p.add_argument("--search", choices=["optuna"],
+                   help="sample the --grid space adaptively (Optuna; pip install "
+                        "'flarepp[search]'): each trial is a point of the study")
+    p.add_argument("--trials", type=at_least(1), metavar="K",
+                   help="with --search: the study's number of trials (shared by workers)")
+    p.add_argument("--sampler", choices=SAMPLERS.names(), help="with --search (default tpe)")
+    p.add_argument("--pruner", choices=PRUNERS.names(),
+                   help="with --search: stop trials early on the validation metric "
+                        "(default median)")
+    p.add_argument("--startup-trials", type=at_least(0), metavar="N",
+                   help="with --search: TPE draws the first N trials at random, and "
+                        "nothing is pruned before N have completed (default 5)")
+    add_tracking_arguments(p)
     from flarepp.cli.launcher import add_launcher_options
     add_launcher_options(p)
     p.set_defaults(func=_sweep)

@@ -14,7 +14,9 @@ from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 def _train(args: argparse.Namespace) -> int:
     from flarepp.device import resolve_device
     from flarepp.distributed.mesh import launch
+    from flarepp.cli.tracking import track_settings
     from flarepp.train import Trainer
+    track = track_settings(args)
     overrides = list(args.set or [])
     for key in ("precision", "device"):
         if getattr(args, key):
@@ -37,8 +39,9 @@ def _train(args: argparse.Namespace) -> int:
     with launch(device, data_parallel=args.data_parallel,
                 context_parallel=args.context_parallel) as plan:
         trainer = Trainer(config, out, data_root=data, resume=args.resume,
-                          progress=not args.quiet, parallel=plan, device=device,
-                          init_from=args.init_from, init_normalizers=args.init_normalizers)
+                          progress=not args.quiet, parallel=plan, device=device, plot=True,
+                          init_from=args.init_from, init_normalizers=args.init_normalizers,
+                          callbacks=track.callbacks(out, out.name) if track else ())
         if trainer.is_writer and not args.quiet:
             print(f"training {config.name} ({config.model.get('mixer')}, {config.precision}) "
                   f"on {device}, {plan.describe()}, into {out}", flush=True)
@@ -48,7 +51,6 @@ def _train(args: argparse.Namespace) -> int:
         if metrics is None:
             print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
             return 0
-        trainer.task.plot_run(out, config.plot_cases)
     headline = f"test_{trainer.task.headline}"
     print(json.dumps(metrics, indent=2))
     print(f"{headline}: {metrics[headline]:.6g}   (run directory: {out})")
@@ -129,6 +131,7 @@ def _context_parallel(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.tracking import add_tracking_arguments
     from flarepp.storage.rundir import RunDir
     from flarepp.train import PRESETS
     from flarepp.train.loop import INIT_NORMALIZERS
@@ -168,6 +171,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    metavar="K",
                    help="under torchrun: split every mesh's points over K ranks (default: "
                         "all ranks), paper Appendix B")
+    add_tracking_arguments(p)
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")

@@ -31,7 +31,9 @@ another config is an error, never a stale table entry; a finished run of other d
 not reused.
 
 One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
-is final -- ``failed.json`` records it, the point is not retried, the report shows it.
+is final -- ``failed.json`` records it, the point is not retried, the report shows it; so is
+a run a callback pruned (an adaptive search's pruner: ``pruned.json``, its state
+checkpointed).
 Anything else (a full disk, a locked run directory, other data at the path, CUDA out of
 memory, a bug) is recorded as an ``error`` event and leaves the point resumable from its
 checkpoints: the next run of the study retries it once the cause is fixed.
@@ -48,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from flarepp.io import atomic_write_json
 from flarepp.storage.config import RunConfig
@@ -57,10 +59,15 @@ from flarepp.storage.locks import (GRACE_S, LOCK_NAME, Lease, LockHolder, RunLoc
 from flarepp.storage.rundir import RunDir
 from flarepp.train.checks import apply_overrides
 
+if TYPE_CHECKING:
+    from flarepp.train.callbacks import TrainerCallback
+    from flarepp.train.tracking import TrackSettings
+
 STUDY_NAME = "study.json"
 EVENTS_DIR = "events"
 EVENTS_NAME = "events.jsonl"  # the single log of a study an earlier flarepp started
 FAILED_NAME = RunDir.FAILED
+PRUNED_NAME = RunDir.PRUNED
 COST_NAME = RunDir.COST
 FORMAT = 1
 
@@ -149,8 +156,9 @@ def resolve_paths(study: Study, out_dir: Path) -> Study:
 
 
 @contextlib.contextmanager
-def _creation_lock(out_dir: Path) -> Iterator[None]:
-    """The lease ``out_dir/.study.lock``, waited for (it is held for milliseconds)."""
+def study_lock(out_dir: Path) -> Iterator[None]:
+    """The lease ``out_dir/.study.lock``, waited for (it is held for milliseconds): the
+    creation and growth of ``study.json``, and an adaptive search's trial bookkeeping."""
     lease = Lease(out_dir / ".study.lock", heartbeat=False).wait(timeout_s=60)
     try:
         yield
@@ -165,17 +173,22 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
     out_dir = Path(out_dir)
     study = resolve_paths(study, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _creation_lock(out_dir):
+    with study_lock(out_dir):
         path = out_dir / STUDY_NAME
         stored = Study.from_dict(json.loads(path.read_text())) if path.exists() else None
         if stored is None or _grows(study, stored):
-            atomic_write_json(path, study.to_dict())
+            store_study(out_dir, study)
             return study
     if stored.identity() != study.identity():
         raise StudyConflict(f"{str(out_dir)!r} holds another study ({_difference(stored, study)});"
                             f" continue it with `{stored.continue_with}`, ask for all of its "
                             "points (and more, to grow it) or choose another --out")
     return stored
+
+
+def store_study(out_dir: Path, study: Study) -> None:
+    """Write ``study`` as the study of ``out_dir`` (the caller holds :func:`study_lock`)."""
+    atomic_write_json(Path(out_dir) / STUDY_NAME, study.to_dict())
 
 
 def _grows(study: Study, stored: Study) -> bool:
@@ -277,10 +290,18 @@ def run_dir(out_dir: str | Path, point: Point | str) -> Path:
     return Path(out_dir) / "runs" / (point if isinstance(point, str) else point.name)
 
 
+def point_claim(out_dir: str | Path, name: str, *, grace_s: float = GRACE_S) -> Lease:
+    """The claim of point ``name`` (module docstring): a process trains the point only while
+    it holds it; ``acquire()`` raises ``RunLocked`` while another process does, and takes a
+    gone holder's claim over (``stale`` then names it)."""
+    return Lease(Path(out_dir) / "claims" / name / LOCK_NAME, grace_s=grace_s)
+
+
 @dataclass
 class PointState:
-    """``status``: ``done``, ``failed`` (numerically, final) or ``pending``; ``error``: why
-    a failed point failed, or why a finished run is not reused."""
+    """``status``: ``done``, ``failed`` (numerically, final), ``pruned`` (stopped by a
+    pruner, final) or ``pending``; ``error``: why a failed point failed or a pruned one was
+    pruned, or why a finished run is not reused."""
 
     status: str
     metrics: dict[str, Any] | None = None
@@ -354,6 +375,9 @@ def point_state(out_dir: Path, point: Point,
     failure = read_failure(directory)
     if failure is not None:
         return PointState("failed", error=failure["error"])
+    pruned = RunDir(directory).read_pruned()
+    if pruned is not None:
+        return PointState("pruned", error=pruned["reason"])
     return PointState("pending")
 
 
@@ -394,12 +418,21 @@ def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
 
 
 def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
-                log: Callable[[str], None], tag: str) -> str:
+                log: Callable[[str], None], tag: str, *,
+                callbacks: Sequence[TrainerCallback] = (),
+                track: TrackSettings | None = None) -> str:
     """Time (if the study asks) and train or resume one claimed point; returns ``finished``,
-    ``failed`` (numerically: final, ``failed.json``) or ``error`` (resumable; an event)."""
+    ``failed`` (numerically: final, ``failed.json``), ``pruned`` (a callback stopped it:
+    final, ``pruned.json``) or ``error`` (resumable; an event). ``callbacks`` go to the
+    trainer (:mod:`flarepp.train.callbacks`); ``track`` (a
+    :class:`~flarepp.train.tracking.TrackSettings`) adds a tracker, the study's directory
+    naming its experiment, and has the run's figures drawn for it."""
     from flarepp.train import Trainer, latest_checkpoint
+    from flarepp.train.callbacks import TrainingPruned
     from flarepp.train.loop import TrainingInterrupted
     directory = run_dir(out_dir, point)
+    if track is not None:
+        callbacks = [*track.callbacks(directory, point.name, study=out_dir), *callbacks]
     try:
         if study.timing_epochs and not RunDir(directory).has_cost():
             cost = time_epoch(config, epochs=study.timing_epochs)
@@ -410,7 +443,13 @@ def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
         resume = latest_checkpoint(directory) is not None
         record_event(out_dir, point.name, "resume" if resume else "start")
         log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
-        metrics = Trainer(config, directory, resume=resume, progress=False).fit()
+        metrics = Trainer(config, directory, resume=resume, progress=False,
+                          callbacks=callbacks, plot=track is not None).fit()
+    except TrainingPruned as err:
+        RunDir(directory).write_pruned(err.reason, err.epoch)
+        record_event(out_dir, point.name, "prune", epoch=err.epoch, reason=err.reason)
+        log(f"{tag}: pruned after epoch {err.epoch} (final): {err.reason}")
+        return "pruned"
     except FloatingPointError as err:
         RunDir(directory).write_failure(err)
         record_event(out_dir, point.name, "fail", error=str(err))
@@ -444,7 +483,8 @@ def check_runtime(runtime: list[str] | None) -> None:
 
 def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
               log: Callable[[str], None] = print,
-              claim_grace_s: float = GRACE_S) -> dict[str, list[str]]:
+              claim_grace_s: float = GRACE_S,
+              track: TrackSettings | None = None) -> dict[str, list[str]]:
     """Train every point of ``study`` that is neither finished nor held by another process
     (the study is created in ``out_dir`` first, or joined: :func:`create_study`), in passes
     until a pass trains nothing (points held by processes that died meanwhile are taken
@@ -452,8 +492,9 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
 
     ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
     only; ``claim_grace_s`` the seconds without a heartbeat after which another host takes
-    this process's points over. Returns this process's point names by outcome:
-    ``finished``, ``failed``, ``error`` (left resumable), ``skipped`` (held by another
+    this process's points over; ``track`` sends this process's runs to a tracker
+    (:func:`train_point`). Returns this process's point names by outcome: ``finished``,
+    ``failed``, ``pruned``, ``error`` (left resumable), ``skipped`` (held by another
     process), ``reused``. A study directory where no claim can be made raises
     :class:`~flarepp.storage.locks.LockUnavailable` before anything is trained."""
     check_runtime(runtime or [])
@@ -480,13 +521,13 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
         now = state(point, tag)
         if now is None:
             return "error"
-        if now.status == "failed":
+        if now.status in ("failed", "pruned"):
             if first:
-                log(f"{tag}: failed before (final, not retried): {now.error}")
+                log(f"{tag}: {now.status} before (final, not retried): {now.error}")
             return None if first else "skipped"
         if now.status == "done":
             return "reused" if first else "skipped"  # later: finished by its holder
-        claim = Lease(out_dir / "claims" / point.name / LOCK_NAME, grace_s=claim_grace_s)
+        claim = point_claim(out_dir, point.name, grace_s=claim_grace_s)
         try:
             claim.acquire()
         except RunLocked:
@@ -500,7 +541,7 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
             if now.error:
                 log(f"{tag}: not reused: {now.error}")
             config = apply_overrides(point.config, runtime) if runtime else point.config
-            return train_point(study, out_dir, point, config, log, tag)
+            return train_point(study, out_dir, point, config, log, tag, track=track)
         finally:
             claim.release()
 
@@ -511,12 +552,12 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
             was = outcome.get(point.name)
             outcome[point.name] = visit(point, f"[{i + 1}/{len(study.points)}] {point.name}",
                                         first=was is None)
-            trained |= outcome[point.name] in ("finished", "failed", "error")
+            trained |= outcome[point.name] in ("finished", "failed", "pruned", "error")
         waiting = [(i, p) for i, p in waiting if outcome[p.name] == "skipped"]
         if not trained:
             break
     return {k: [p.name for p in study.points if outcome.get(p.name) == k]
-            for k in ("finished", "failed", "error", "skipped", "reused")}
+            for k in ("finished", "failed", "pruned", "error", "skipped", "reused")}
 
 
 def _take_over(out_dir: Path, point: Point, gone: LockHolder, log: Callable[[str], None],
@@ -532,7 +573,8 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DataFingerprints", "check_runtime", "continue_command", "Point", "PointState", "Study", "StudyConflict",
-           "StudyInterrupted", "create_study", "events_file", "open_study", "point_state",
-           "read_events", "read_failure", "record_event", "run_dir", "run_study", "time_epoch",
-           "train_point"]
+__all__ = ["DataFingerprints", "Point", "PointState", "Study", "StudyConflict",
+           "StudyInterrupted", "check_runtime", "continue_command", "create_study",
+           "events_file", "open_study", "point_claim", "point_state", "read_events",
+           "read_failure", "record_event", "run_dir", "run_study", "store_study", "study_lock",
+           "time_epoch", "train_point"]

@@ -77,17 +77,18 @@ class StudyWorker:
     on preemption or at its time limit (it has submitit's ``checkpoint`` method)."""
 
     def __init__(self, out_dir: str | Path, runtime: tuple[str, ...] = (),
-                 claim_grace_s: float = GRACE_S) -> None:
+                 claim_grace_s: float = GRACE_S, track: Any = None) -> None:
         self.out_dir = str(out_dir)
         self.runtime = list(runtime)
         self.claim_grace_s = claim_grace_s
+        self.track = track  # a TrackSettings: where this worker tracks its runs
 
     def __call__(self) -> dict[str, list[str]]:
         from flarepp.experiments.studies import open_any_study
         requeue = _preemption_handler()
         try:
             return run_study(open_any_study(self.out_dir), self.out_dir, runtime=self.runtime,
-                             claim_grace_s=self.claim_grace_s, log=_say)
+                             claim_grace_s=self.claim_grace_s, log=_say, track=self.track)
         except StudyInterrupted as err:
             print(f"flarepp: {err}", flush=True)
             if requeue is not None and err.signum == requeue[0]:
@@ -196,16 +197,18 @@ def check_launcher(spec: LaunchSpec) -> None:
                                       "node), or use --launcher local")
 
 
-def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool) -> LaunchOutcome:
-    """Create (or join) ``study`` in ``out_dir`` and start ``spec.workers`` workers on it;
-    with ``wait``, wait for them and read the points' states from the directory."""
+def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool,
+           track: Any = None) -> LaunchOutcome:
+    """Create (or join) ``study`` in ``out_dir`` and start ``spec.workers`` workers on it
+    (``track``: a :class:`~flarepp.train.tracking.TrackSettings` for their runs); with
+    ``wait``, wait for them and read the points' states from the directory."""
     from flarepp.experiments.engine import create_study
     check_launcher(spec)
     check_runtime(list(spec.runtime))
     out_dir = Path(out_dir).resolve()  # the workers may start elsewhere
     study = create_study(out_dir, study)
     folder = out_dir / "launch"
-    worker = StudyWorker(out_dir, spec.runtime, spec.claim_grace_s)
+    worker = StudyWorker(out_dir, spec.runtime, spec.claim_grace_s, track)
     jobs = LAUNCHERS.get(spec.launcher)(spec, folder, worker)
     outcome = LaunchOutcome(jobs, folder)
     if not wait:

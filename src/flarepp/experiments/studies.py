@@ -1,7 +1,8 @@
 """The studies the commands start, as specs for the one engine (:mod:`.engine`).
 
 * :func:`sweep_study` -- ``flarepp sweep``: the Cartesian product of ``--grid`` axes, each
-  any ``--set`` key (or ``preset``: a different preset per value);
+  any ``--set`` key (or ``preset``: a different preset per value); an axis may also be a
+  range (:func:`parse_range`), which only an adaptive search (:mod:`.search`) samples;
 * :func:`compare_study` -- ``flarepp compare``: Table 1's models x datasets x seeds;
 * :func:`lra_study` -- ``flarepp lra compare``: Table 12's LRA tasks x mixers x seeds;
 * :func:`pareto_study` -- ``flarepp drivaerml pareto``: Figure 5's depth x latent grid.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,6 +67,45 @@ def parse_axes(items: list[str]) -> list[tuple[str, list[str]]]:
     return axes
 
 
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_RANGE = re.compile(rf"^(?P<low>{_NUMBER})(?P<sep>:|\.\.)(?P<high>{_NUMBER})(?P<log>:log)?$")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A search axis's interval, both ends included: real numbers ``LOW:HIGH`` (uniform)
+    or ``LOW:HIGH:log`` (log-uniform), integers ``LOW..HIGH`` or ``LOW..HIGH:log``."""
+
+    low: float
+    high: float
+    integer: bool
+    log: bool
+
+    def text(self) -> str:
+        ends = (f"{int(self.low)}..{int(self.high)}" if self.integer
+                else f"{self.low:g}:{self.high:g}")
+        return ends + (":log" if self.log else "")
+
+
+def parse_range(key: str, text: str) -> Range | None:
+    """The range ``text`` writes (:class:`Range`), or None when it is not one (a value)."""
+    match = _RANGE.match(text.strip())
+    if match is None:
+        return None
+    integer, log = match["sep"] == "..", bool(match["log"])
+    kind = int if integer else float
+    try:
+        low, high = kind(match["low"]), kind(match["high"])
+    except ValueError:
+        raise ValueError(f"--grid {key}={text}: an integer range is LOW..HIGH with whole "
+                         "numbers (a real one LOW:HIGH)") from None
+    if not low < high:
+        raise ValueError(f"--grid {key}={text}: the range's low end must be below its high end")
+    if log and low <= 0:
+        raise ValueError(f"--grid {key}={text}: a log range needs a positive low end")
+    return Range(low, high, integer, log)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]+", ".", text).strip(".") or "_"
 
@@ -98,6 +139,10 @@ def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
     from flarepp.train import get_preset
     if not axes:
         raise ValueError("give --grid KEY=V1,V2 ... (e.g. --grid seed=0,1,2)")
+    for key, values in axes:
+        if len(values) == 1 and parse_range(key, values[0]) is not None:
+            raise ValueError(f"--grid {key}={values[0]} is a range: a grid needs values "
+                             "(V1,V2,...); a range is searched with --search optuna")
     points = []
     for name, values in grid_names(axes):
         chosen = dict(values).get("preset", preset)
@@ -313,4 +358,5 @@ def legacy_study(out_dir: str | Path) -> Study | None:
 
 
 __all__ = ["SWEEP_REPORTS", "compare_study", "grid_names", "legacy_study", "lra_point_config", "lra_study", "open_any_study",
-           "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study"]
+           "parse_axes", "pareto_study", "preset_name", "split_values", "sweep_study",
+           "Range", "parse_range"]

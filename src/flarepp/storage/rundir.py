@@ -60,6 +60,8 @@ class RunDir:
     PROVENANCE = "provenance.json"
     FAILED = "failed.json"            # the study engine: a numerical failure (final)
     COST = "cost.json"                # the study engine: the separate timing run
+    PRUNED = "pruned.json"            # the study engine: stopped by a search's pruner (final)
+    TRACKING = "tracking.json"        # the experiment tracker's run this run logs to
     CHECKPOINTS = "checkpoints"
     LOCK = LOCK_NAME
     PREDICTIONS = "{split}_predictions.npz"        # fields: predictions of every sample
@@ -90,6 +92,12 @@ class RunDir:
     @property
     def config_path(self) -> Path:
         return self.path / self.CONFIG
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        """TensorBoard's event files of a run tracked on its own (a study's runs log under
+        ``<study>/tensorboard/<point>`` instead)."""
+        return self.path / "tensorboard"
 
     @property
     def log_path(self) -> Path:
@@ -205,6 +213,20 @@ class RunDir:
     def read_failure(self) -> dict[str, Any] | None:
         path = self.path / self.FAILED
         return read_json(path) if path.is_file() else None
+
+    def write_pruned(self, reason: str, epoch: int) -> Path:
+        return atomic_write_json(self.path / self.PRUNED, {"reason": reason, "epoch": epoch})
+
+    def read_pruned(self) -> dict[str, Any] | None:
+        path = self.path / self.PRUNED
+        return read_json(path) if path.is_file() else None
+
+    def write_tracking(self, record: dict[str, Any]) -> Path:
+        return atomic_write_json(self.path / self.TRACKING, record)
+
+    def read_tracking(self) -> dict[str, Any]:
+        path = self.path / self.TRACKING
+        return read_json(path) if path.is_file() else {}
 
     def has_cost(self) -> bool:
         return (self.path / self.COST).is_file()

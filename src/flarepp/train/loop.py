@@ -14,7 +14,8 @@ every global batch (``batch_size`` samples, the preset's) and ``DistributedDataP
 averages their gradients; context-parallel ranks split the tokens of the same samples and
 sum their gradients (Appendix B). The loss of a step is the task's loss summed over the
 global batch divided by its global count, so any layout gives the single-process step.
-Global rank 0 alone writes files.
+Global rank 0 alone writes files and calls the run's callbacks (trackers, a search's pruner:
+:mod:`flarepp.train.callbacks`).
 
 Reproducibility: seeded; on the CPU in FP32 a resumed run is bitwise identical to an
 uninterrupted one (model, optimizer, scheduler, EMA, scaler and the RNG states are
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from flarepp.train.ema import WeightAverage
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
 from flarepp.data.fingerprint import check_same_data
 from flarepp.storage.rundir import RunDir, RunLock, provenance
+from flarepp.train.callbacks import Callbacks, TrainerCallback, TrainingPruned
 from flarepp.train.checks import check_run_config
 
 
@@ -122,7 +124,9 @@ class Trainer:
     ``init_from`` (fine-tuning): a run directory or checkpoint whose weights (those it
     reports) start this run, with a new optimiser on this run's data; ``init_normalizers``
     ``keep`` takes its normalisers too, ``refit`` fits them on this run's data. It is
-    recorded in the checkpoints, ``metrics.json`` and ``provenance.json``.
+    recorded in the checkpoints, ``metrics.json`` and ``provenance.json``. ``callbacks``
+    are called on the writer rank (:mod:`flarepp.train.callbacks`); ``plot`` draws the run's
+    figures at its end (``plot_cases`` cases), which ``on_run_end`` receives.
     """
 
     def __init__(self, config: RunConfig, out_dir: str | Path, *,
@@ -130,7 +134,8 @@ class Trainer:
                  progress: bool = True, splits: DatasetSplits | None = None,
                  task: Task | None = None, parallel: ParallelPlan = SINGLE,
                  device: str | torch.device | None = None,
-                 init_from: str | Path | None = None, init_normalizers: str = "keep") -> None:
+                 init_from: str | Path | None = None, init_normalizers: str = "keep",
+                 callbacks: Sequence[TrainerCallback] = (), plot: bool = False) -> None:
         if init_normalizers not in INIT_NORMALIZERS:
             raise ValueError(f"init_normalizers must be one of {', '.join(INIT_NORMALIZERS)}, "
                              f"got {init_normalizers!r}")
@@ -140,6 +145,8 @@ class Trainer:
         self.run = RunDir(self.out_dir)
         self.plan = parallel
         self.is_writer = parallel.is_writer
+        self.hooks = Callbacks(callbacks, is_writer=self.is_writer)
+        self.plot = plot
         self.progress = progress and self.is_writer
         self.device = resolve_device(device if device is not None else c.device)
         use_device(self.device)
@@ -506,6 +513,11 @@ class Trainer:
         try:
             with self.stop_on_signals():
                 return self._fit(stop_after)
+        except BaseException as err:
+            self.hooks.run_stopped(
+                "pruned" if isinstance(err, TrainingPruned) else "interrupted"
+                if isinstance(err, (TrainingInterrupted, KeyboardInterrupt)) else "failed")
+            raise
         finally:
             self.close()
 
@@ -519,6 +531,7 @@ class Trainer:
             self.run.record_provenance(provenance(
                 [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
                 **({"init_from": self.init_record} if self.init_record else {})))
+            self.hooks.run_start(c, self.out_dir, self.epoch)
         done_now = 0
         while self.epoch < c.epochs:
             latents = None
@@ -539,8 +552,9 @@ class Trainer:
             split = self.task.eval_splits[0]
             key = f"{split}_{headline}"
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
-                record.update(weight_metrics(split, headline, self.evaluate(split),
-                                             c.eval_weights, self.task.reported))
+                for name in dict.fromkeys((split, *self.hooks.splits)):
+                    record.update(weight_metrics(name, headline, self.evaluate(name),
+                                                 c.eval_weights, self.task.reported))
                 record["eval_weights"] = c.eval_weights
             self.history.append(record)
             if self.is_writer:
@@ -554,15 +568,31 @@ class Trainer:
                              f"{WEIGHTS_NAME[other]} {record[f'{key}_{other}']:.4f})")
                 print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{shown}", flush=True)
             done_now += 1
+            pruned = self._callback_stop(record)
             stopping = stop_after is not None and done_now >= stop_after
             if self.is_writer and (self.epoch % c.checkpoint_every == 0
-                                   or self.epoch == c.epochs or stopping):
+                                   or self.epoch == c.epochs or stopping or pruned):
                 self._save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
+            if pruned:
+                raise TrainingPruned(self.epoch, pruned,
+                                     checkpoint_path(self.out_dir, self.epoch))
             if self.epoch < c.epochs and self._stop_requested():
                 self._interrupt(None)  # between epochs: the checkpoint is the epoch's
             if stopping and self.epoch < c.epochs:
                 return None
         return self.finish()
+
+    def _callback_stop(self, record: dict[str, Any]) -> str | None:
+        """Whether a callback asks to stop after this epoch (its sentence); with several
+        ranks the writer's answer reaches every rank (one all-reduce, only where callbacks
+        were given)."""
+        reason = self.hooks.epoch_end(self.epoch, record)
+        if self.plan.mesh is not None and self.hooks.given:
+            flag = torch.full((1,), float(reason is not None), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and reason is None:
+                reason = "a callback of the writer rank stopped the run"
+        return reason
 
     def _rewrite_log(self) -> None:
         self.run.rewrite_log(self.history)
@@ -597,16 +627,19 @@ class Trainer:
         if self.is_writer:
             self.task.write_outputs(self.out_dir, split, records, **extra)
             self.run.write_metrics(metrics)
+            figures = self.task.plot_run(self.out_dir, self.config.plot_cases) if self.plot \
+                else []
+            self.hooks.run_end(metrics, figures)
         return metrics
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,
           resume: bool = False, progress: bool = True, stop_after: int | None = None,
           parallel: ParallelPlan = SINGLE, device: str | torch.device | None = None,
-          init_from: str | Path | None = None, init_normalizers: str = "keep"
-          ) -> dict[str, Any] | None:
+          init_from: str | Path | None = None, init_normalizers: str = "keep",
+          callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any] | None:
     """Train ``config`` into ``out_dir``; returns ``metrics.json``'s content."""
     trainer = Trainer(config, out_dir, data_root=data_root, resume=resume, progress=progress,
                       parallel=parallel, device=device, init_from=init_from,
-                      init_normalizers=init_normalizers)
+                      init_normalizers=init_normalizers, callbacks=callbacks)
     return trainer.fit(stop_after=stop_after)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from flarepp.experiments.reports import cost, curves, runs, stats, tables
+from flarepp.experiments.reports import cost, curves, runs, search, stats, tables
 from flarepp.experiments.reports.common import Report
 from flarepp.registry import Registry
 
@@ -42,5 +42,7 @@ REPORTS.add("lra", tables.lra_report,
 REPORTS.add("cost", cost.cost_report,
             doc="Figure 5: the metric against training cost, the Pareto front, FLARE++ over "
                 "FLARE at matched (B, M)")
+REPORTS.add("search", search.search_report,
+            doc="an adaptive search: every trial's state, point and value; the best trial")
 
 __all__ = ["REPORTS"]

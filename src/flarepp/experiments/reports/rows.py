@@ -28,7 +28,7 @@ import numpy as np
 from flarepp.experiments.engine import Study, finite, point_state, read_events
 from flarepp.experiments.studies import open_any_study
 
-STATUSES = ("done", "failed", "pending")
+STATUSES = ("done", "failed", "pruned", "pending")
 
 
 @dataclass(kw_only=True)
@@ -36,7 +36,8 @@ class Row:
     """One point of a study as its reports see it.
 
     ``status``: ``done``, ``failed`` (numerically, or a finished run whose test value is
-    not finite) or ``pending``; ``error``: why it failed, or the last error that left it
+    not finite), ``pruned`` (stopped early by an adaptive search, final) or ``pending``;
+    ``error``: why it failed, or the last error that left it
     pending. ``metric`` is the task's ``headline``; ``value`` its test value and
     ``train_value`` its train value where the task evaluates one, both of the weights named
     in ``weights``; ``value_raw`` and ``value_ema`` the test values of the raw and the EMA

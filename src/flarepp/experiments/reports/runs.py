@@ -18,8 +18,9 @@ def runs_report(rep: Report) -> None:
     lower = {r.lower_is_better for r in rep.rows}
     sense = ("lower is better" if lower == {True} else "higher is better" if lower == {False}
              else "")
+    pruned = f"{counts['pruned']} pruned, " if counts["pruned"] else ""
     rep.lines += [f"Points: {len(rep.rows)} ({counts['done']} done, {counts['failed']} failed, "
-                  f"{counts['pending']} pending). Metric: the task's own, test "
+                  f"{pruned}{counts['pending']} pending). Metric: the task's own, test "
                   f"`{rep.metric_name()}` ({sense}; train in brackets where evaluated) of the "
                   "weights each run names (`weights`, config `eval_weights`; raw and EMA "
                   "beside it where stored); "

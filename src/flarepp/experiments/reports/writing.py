@@ -13,7 +13,7 @@ from flarepp.experiments.studies import SWEEP_REPORTS
 from flarepp.io import atomic_write_text
 
 TITLES = {"sweep": "Sweep", "compare": "Comparison", "lra": "LRA comparison",
-          "pareto": "Error against training cost"}
+          "pareto": "Error against training cost", "search": "Search"}
 
 
 def plugins_of(study) -> list[str]:
