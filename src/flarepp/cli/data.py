@@ -4,6 +4,7 @@ and ``flarepp data check {STORE | NAME PATH}``."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from flarepp.cli import CLIError, parse_scalar
 
@@ -47,6 +48,7 @@ def _make(args: argparse.Namespace) -> int:
 NEXT_STEP = {
     "elasticity-mesh": "convert with: flarepp data convert {out} --out {out}-store --targets "
                        "von_mises --conditions load --test-pattern 'test/*'",
+    "laplace-store": "train with: flarepp train store-tiny --data {out}",
     "surface-flow": "train with: flarepp train drivaerml-tiny --data {out}   (task 'surface', "
                     "dataset 'drivaerml' with the split file {out}/split.json)",
 }
@@ -55,16 +57,18 @@ NEXT_STEP = {
 
 def _check(args: argparse.Namespace) -> int:
     from flarepp.data import load_dataset
-    from flarepp.data.store import MANIFEST, MeshStore
-    from pathlib import Path
-    if args.path is None:
-        if not (Path(args.dataset) / MANIFEST).is_file() and not Path(args.dataset).is_dir():
+    from flarepp.data.store import MeshStore
+    if args.path is None or args.dataset == "store":
+        root = Path(args.path or args.dataset)
+        if not root.is_dir():
             raise CLIError(f"usage: flarepp data check STORE, or flarepp data check NAME PATH "
-                           f"({args.dataset!r} is not a directory)")
-        store = MeshStore(args.dataset)
+                           f"({str(root)!r} is not a directory)")
+        store = MeshStore(root)
         print("\n".join(store.describe()))
         store.check(full=args.verify)
-        print(f"every array is as written ({'every byte compared' if args.verify else 'sizes; sampled digests where times differ'})")
+        how = ("every byte compared" if args.verify
+               else "sizes; sampled digests where times differ")
+        print(f"every array is as written ({how})")
         return 0
     options = {}
     for item in args.option:
@@ -75,10 +79,9 @@ def _check(args: argparse.Namespace) -> int:
     splits = load_dataset(args.dataset, args.path, **options)
     for split in ("train", "test"):
         samples = getattr(splits, split)
-        counts = samples.point_counts()
-        print(f"{split}: {len(samples)} samples, {int(counts.min())}-{int(counts.max())} "
-              f"points, {samples.in_dim} inputs, {samples.out_dim} outputs, mask "
-              f"{'none' if samples.mask is None else 'yes'}, grid {samples.grid_shape}")
+        mask = "none" if samples.mask is None else f"{int(samples.mask.sum())} real points"
+        print(f"{split}: x {list(samples.x.shape)}, y {list(samples.y.shape)}, mask {mask}, "
+              f"grid {samples.grid_shape}")
     print(f"field {splits.field_names} [{splits.units}] from {splits.source}")
     return 0
 
@@ -123,7 +126,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.add_argument("--resolution", type=_positive, default=None,
                       help="darcy: grid points per side (default 85); surface-flow: cells "
                            "per surface (default 5000); advection-diffusion: grid points per "
-                           "side (default 32); elasticity: fixed at 972 points")
+                           "side (default 32); laplace-store: points per sample (default "
+                           "100000); elasticity: fixed at 972 points")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--overwrite", action="store_true", help="replace existing files")
     make.add_argument("--quiet", action="store_true", help="no progress bar")

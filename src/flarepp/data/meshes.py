@@ -44,22 +44,22 @@ MESH_IO_HINT = "pip install 'flarepp[mesh-io]'"
 CHUNK_CELLS = 1 << 20
 
 
-def require_pyvista():
+def _require(module: str):
+    """``module`` imported, or a sentence saying which extra to install."""
+    import importlib
     try:
-        import pyvista
+        return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"reading mesh files needs pyvista ({err.name} is missing): "
-                                  f"{MESH_IO_HINT}") from err
-    return pyvista
+        raise ModuleNotFoundError(f"reading mesh files needs {module} ({err.name} is "
+                                  f"missing): {MESH_IO_HINT}") from err
+
+
+def require_pyvista():
+    return _require("pyvista")
 
 
 def require_meshio():
-    try:
-        import meshio
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"reading this mesh format needs meshio ({err.name} is "
-                                  f"missing): {MESH_IO_HINT}") from err
-    return meshio
+    return _require("meshio")
 
 
 @dataclass(frozen=True)

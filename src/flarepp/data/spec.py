@@ -129,16 +129,19 @@ class ConversionSpec:
         return replace(self, condition_table=path)
 
 
+def _check_table(value: Any, keys: Any, what: str, where: str) -> None:
+    """Raise unless ``value`` is a table (dict) of ``keys`` only, naming the unknown ones."""
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: {what} is a table of {', '.join(keys)}, got {value!r}")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise SpecError(f"{where}: unknown key(s) {unknown}; {what} takes {', '.join(keys)}")
+
+
 def _array(value: Any, where: str) -> ArraySpec:
     if isinstance(value, str) and value:
         return ArraySpec(value, value)
-    if not isinstance(value, dict):
-        raise SpecError(f"{where}: an array is a name or a table {{array, name, scale, "
-                        f"units}}, got {value!r}")
-    unknown = sorted(set(value) - set(ARRAY_KEYS))
-    if unknown:
-        raise SpecError(f"{where}: unknown key(s) {unknown}; an array takes "
-                        f"{', '.join(ARRAY_KEYS)}")
+    _check_table(value, ARRAY_KEYS, "an array (or its name)", where)
     if not isinstance(value.get("array"), str) or not value["array"]:
         raise SpecError(f"{where}: the table {value!r} names no 'array'")
     scale = value.get("scale", 1.0)
@@ -163,12 +166,7 @@ def _arrays(d: dict[str, Any], key: str, where: str) -> tuple[ArraySpec, ...]:
 def parse_spec(d: dict[str, Any], where: str = "spec") -> ConversionSpec:
     """A :class:`ConversionSpec` from a dict (a TOML file's, or flags'); ``where`` names it
     in errors."""
-    if not isinstance(d, dict):
-        raise SpecError(f"{where}: a spec is a table of keys, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(SPEC_KEYS))
-    if unknown:
-        raise SpecError(f"{where}: unknown key(s) {unknown}; a spec takes "
-                        f"{', '.join(SPEC_KEYS)}")
+    _check_table(d, SPEC_KEYS, "a spec", where)
     association = d.get("association", "point")
     if association not in ASSOCIATIONS:
         raise SpecError(f"{where}: association must be one of {', '.join(ASSOCIATIONS)}, got "
@@ -218,13 +216,7 @@ def parse_spec(d: dict[str, Any], where: str = "spec") -> ConversionSpec:
 
 
 def _split(value: Any, where: str) -> SplitSpec:
-    if not isinstance(value, dict):
-        raise SpecError(f"{where}: split must be a table of {', '.join(SPLIT_KEYS)}, got "
-                        f"{value!r}")
-    unknown = sorted(set(value) - set(SPLIT_KEYS))
-    if unknown:
-        raise SpecError(f"{where}: unknown split key(s) {unknown}; split takes "
-                        f"{', '.join(SPLIT_KEYS)}")
+    _check_table(value, SPLIT_KEYS, "split", where)
     if value.get("test") is not None and value.get("test_fraction") is not None:
         raise SpecError(f"{where}: give split.test (a glob) or split.test_fraction, not both")
     fraction = value.get("test_fraction")

@@ -255,9 +255,10 @@ def write_manifest(root: str | Path, layout: ChannelLayout, splits: dict[str, li
     unknown = sorted({s for names in splits.values() for s in names} - set(metas))
     if unknown:
         raise ValueError(f"splits name samples without a meta: {unknown[:5]}")
-    samples = {name: {"rows": m["rows"], "source": m.get("source"),
-                      "conditions": m.get("conditions", []), "stored": m["stored"],
-                      "digest": m["digest"]} for name, m in metas.items()}
+    samples = {name: {"rows": m["rows"], "association": layout.association,
+                      "source": m.get("source"), "conditions": m.get("conditions", []),
+                      "stored": m["stored"], "digest": m["digest"]}
+               for name, m in metas.items()}
     path = Path(root) / MANIFEST
     _write_json(path, {"format": STORE_FORMAT, "version": STORE_VERSION,
                        "layout": layout.to_dict(), "splits": splits, "samples": samples,

@@ -299,6 +299,10 @@ class FieldTask(Task):
         if self.splits.val is not None:
             self.eval_splits = (*self.eval_splits, "val")
         train = self.splits.train
+        if self.splits.out_dim == 0:
+            raise DataError(f"{self.splits.source or self.data_root}: the data has no target "
+                            "channels (a store converted with targets = [], for prediction "
+                            "only), so there is nothing to train on")
         self.layout = self.splits.channel_layout()
         self.points_per_step = self.splits.points_per_step
         self.variable_n = any(s.mask is not None for s in (train, self.splits.test))
