@@ -77,7 +77,9 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
     if args.preset is None and not args.data:
         raise CLIError("give a preset (see `flarepp presets`), --config RUN/config.json, or "
                        "--data YOUR.npz")
-    return get_preset(args.preset or "npz", overrides)
+    from flarepp.data.store import MANIFEST
+    own = "store-tiny" if args.data and (Path(args.data) / MANIFEST).is_file() else "npz"
+    return get_preset(args.preset or own, overrides)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -127,7 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
     p.add_argument("preset", nargs="?",
                    help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
-                        "npz, your own data)")
+                        "store-tiny for a store, npz for your own .npz)")
     p.add_argument("--config", metavar="CONFIG_JSON",
                    help="train the config a run wrote (RUN/config.json) instead of a preset")
     p.add_argument("--data", help="dataset directory (default: the preset's data_root)")

@@ -187,7 +187,7 @@ def _vtk_read(path: Path, make_reader: Callable[[], Any] | None = None):
 @register_format("vtu", (".vtu",), "pyvista", doc="VTK XML unstructured grid")
 @register_format("vtp", (".vtp",), "pyvista", doc="VTK XML polygonal data (surfaces)")
 @register_format("vtk", (".vtk",), "pyvista", doc="VTK legacy file")
-@register_format("vtkhdf", (".vtkhdf", ".hdf"), "pyvista", doc="VTKHDF (HDF5) file")
+@register_format("vtkhdf", (".vtkhdf",), "pyvista", doc="VTKHDF (HDF5) file")
 def read_vtk(path: Path):
     return _vtk_read(path)
 
@@ -204,7 +204,7 @@ def read_ensight(path: Path):
     return _vtk_read(path, lambda: pv.get_reader(str(path)))
 
 
-@register_format("openfoam", (".foam", ".openfoam"), "pyvista", marker=True,
+@register_format("openfoam", (".foam",), "pyvista", marker=True,
                  doc="OpenFOAM case (its .foam file): the internal mesh at the latest time, "
                      "cell fields as cell data")
 def read_openfoam(path: Path):
@@ -239,7 +239,7 @@ def _meshio_read(path: Path):
     return pv.from_meshio(mesh)
 
 
-@register_format("gmsh", (".msh",), "meshio", doc="Gmsh mesh (.msh, versions 2 and 4)")
+@register_format("gmsh", (".msh",), "meshio", doc="Gmsh mesh (.msh)")
 def read_gmsh(path: Path):
     # meshio loops forever on a Gmsh file cut short; a complete one ends with an $End line
     with open(path, "rb") as f:
@@ -251,7 +251,7 @@ def read_gmsh(path: Path):
     return _meshio_read(path)
 
 
-@register_format("xdmf", (".xdmf", ".xmf"), "meshio", doc="XDMF (with its HDF5 heavy data)")
+@register_format("xdmf", (".xdmf",), "meshio", doc="XDMF (with its HDF5 heavy data)")
 def read_xdmf(path: Path):
     return _meshio_read(path)
 

@@ -381,6 +381,11 @@ class StoreSamples:
         self._inputs = [(g.name, g.width) for g in layout.inputs]
         self._targets = [(g.name, g.width) for g in layout.targets]
         self._rows = np.array([store.samples[n]["rows"] for n in self.names], np.int64)
+        self._conditions = None
+        if self.condition_columns:
+            values = np.array([store.samples[n]["conditions"] for n in self.names],
+                              np.float64).reshape(len(self.names), -1)
+            self._conditions = values[:, self.condition_columns].astype(np.float32)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -399,11 +404,7 @@ class StoreSamples:
 
     @property
     def conditions(self) -> np.ndarray | None:
-        if not self.condition_columns:
-            return None
-        values = np.array([self.store.samples[n]["conditions"] for n in self.names],
-                          np.float64).reshape(len(self.names), -1)
-        return values[:, self.condition_columns].astype(np.float32)
+        return self._conditions
 
     def point_counts(self) -> np.ndarray:
         return self._rows.copy()

@@ -261,9 +261,16 @@ def resolve_input_norm(config: Any, channels: int) -> list[str]:
     return rules
 
 
-def fit_input_normalizer(stats: ChannelStatistics, rules: list[str]) -> Normalizer:
+def fit_input_normalizer(x_SNI: np.ndarray, mask_SN: np.ndarray | None,
+                         rules: list[str]) -> Normalizer:
     """A :class:`Normalizer` (``(a - shift) / scale`` per channel) applying ``rules`` to the
-    input channels, from the training split's statistics over its real points."""
+    channels of ``x``, fitted on the training split's real points."""
+    return input_normalizer(ChannelStatistics.of_array(x_SNI, mask_SN), rules)
+
+
+def input_normalizer(stats: ChannelStatistics, rules: list[str]) -> Normalizer:
+    """:func:`fit_input_normalizer` from the training split's statistics over its real
+    points (whole-array or streamed, :meth:`~flarepp.data.MeshSamples.fit_statistics`)."""
     channels = len(rules)
     shift, scale = np.zeros(channels, np.float32), np.ones(channels, np.float32)
     standard = [k for k, r in enumerate(rules) if r == "standard"]
@@ -317,7 +324,7 @@ class FieldTask(Task):
         c_norm = (Normalizer.from_statistics(stats.conditions, what="condition",
                                              names=self.layout.condition_names)
                   if self.conditioned else None)
-        self._set_normalizers(fit_input_normalizer(stats.x, self.input_norm),
+        self._set_normalizers(input_normalizer(stats.x, self.input_norm),
                               Normalizer.from_statistics(stats.y, what="output"), c_norm)
 
     def _where(self) -> str:
