@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet $(TORCH_CPU)
-	$(PIP) install --quiet -e ".[test,mesh,surface,cluster,export,track,search]"
+	$(PIP) install --quiet -e ".[test,mesh,surface,mesh-io,cluster,export,track,search]"
 	@touch $(STAMP)
 
 demo: setup

@@ -84,7 +84,9 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
     if args.preset is None and not args.data:
         raise CLIError(f"give a preset (see `flarepp presets`), --config RUN/{RunDir.CONFIG}, "
                        "or --data YOUR.npz")
-    return get_preset(args.preset or "npz", overrides)
+    from flarepp.data.store import MANIFEST
+    own = "store-tiny" if args.data and (Path(args.data) / MANIFEST).is_file() else "npz"
+    return get_preset(args.preset or own, overrides)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -138,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
     p.add_argument("preset", nargs="?",
                    help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
-                        "npz, your own data)")
+                        "store-tiny for a store, npz for your own .npz)")
     p.add_argument("--config", metavar="CONFIG_JSON",
                    help=f"train the config a run wrote (RUN/{RunDir.CONFIG}) instead of a "
                         "preset")

@@ -8,12 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flarepp.data.base import (DataError, DatasetSplits, DataWarning, MeshSamples, Normalizer,
+from flarepp.data.base import (ChannelStatistics, DataError, DatasetSplits, DataWarning,
+                               MeshSamples, Normalizer, RunningMoments, subset_points,
                                validation_indices)
+from flarepp.data.layout import ChannelGroup, ChannelLayout
 from flarepp.data.registry import DATASETS
 from flarepp.data import loaders as _loaders  # noqa: F401  (registers the loaders)
 from flarepp.data import lra as _lra  # noqa: F401  (registers the Long Range Arena readers)
 from flarepp.data import rollout as _rollout  # noqa: F401  (registers "advection-diffusion")
+from flarepp.data import store as _store  # noqa: F401  (registers "store")
 from flarepp.data import surface as _surface  # noqa: F401  (registers "drivaerml")
 from flarepp.data import text as _text  # noqa: F401  (registers "text-files")
 
@@ -27,5 +30,6 @@ def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
     return loader(root, **options).validate()
 
 
-__all__ = ["DATASETS", "DataError", "DataWarning", "DatasetSplits", "MeshSamples",
-           "Normalizer", "load_dataset", "validation_indices"]
+__all__ = ["ChannelGroup", "ChannelLayout", "ChannelStatistics", "DATASETS", "DataError",
+           "DataWarning", "DatasetSplits", "MeshSamples", "Normalizer", "RunningMoments",
+           "load_dataset", "subset_points", "validation_indices"]

@@ -19,10 +19,13 @@ Shape letters: N cells of one surface, P its points, K vertices of one polygon.
   polygons are handled alike.
 * **Cache.** Reading an 8.8M-cell ``.vtp`` takes far longer than a training step, so each car
   is converted once into ``<cache>/run_<i>/`` holding ``centres.npy`` [N, 3], ``normals.npy``
-  [N, 3], ``areas.npy`` [N] (the cells' areas, for integrated forces), ``fields.npy`` [N, 4]
-  (float32) and ``meta.json``, written through temporary files and renames, ``meta.json``
-  last; ``meta.json`` also keeps the free-stream velocity a file states (the ``flarepp``
-  field data of generated surfaces; the released files state none). ``meta.json`` records the source file's size, its
+  [N, 3], ``areas.npy`` [N, 1] (the cells' areas, for integrated forces), ``fields.npy``
+  [N, 4] (float32) and ``meta.json``, a sample of the store format
+  (:func:`flarepp.data.store.write_sample`: temporary files and renames, ``meta.json``
+  last); :meth:`DrivAerMLSurfaces.prepare` adds the ``manifest.json`` that makes the cache a
+  complete store. ``meta.json`` also keeps the free-stream velocity a file states (the
+  ``flarepp`` field data of generated surfaces; the released files state none) and records
+  the source file's size, its
   modification time, a hash of its header and of blocks sampled through it
   (:func:`sampled_digest`: an edited file whose size and time were restored is seen too) and
   the array names, so a changed source (or other field names) is converted again; later
@@ -53,17 +56,33 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from flarepp.data.base import DataError
+from flarepp.data.base import DataError, merge_moments  # noqa: F401  (re-exported)
+from flarepp.data.fingerprint import sampled_digest  # noqa: F401  (re-exported)
+from flarepp.data.layout import ChannelGroup, ChannelLayout
+from flarepp.data.store import open_sample, read_sample_meta, write_manifest, write_sample
+from flarepp.io import atomic_write_json
 
 PRESSURE_ARRAY = "pMeanTrim"
 WALL_SHEAR_ARRAY = "wallShearStressMeanTrim"
 FIELD_NAMES = ("p_s", "tau_x", "tau_y", "tau_z")   # the 4 target channels, in this order
 FIELD_UNITS = "m^2/s^2"                             # kinematic: divided by the density
 SPLIT_NAMES = ("train", "val", "test")
-CACHE_FORMAT = 2                 # 2: cell areas and the stated free stream
+CACHE_FORMAT = 2                 # 2: a store sample, with cell areas and the stated free stream
 CACHE_DIR_NAME = ".flarepp_cache"
 CHUNK_CELLS = 1 << 20        # cells per chunk when computing geometry or statistics
 RUN_ID = re.compile(r"run_(\d+)")
+CACHE_ARRAYS = {"centres": 3, "normals": 3, "fields": len(FIELD_NAMES), "areas": 1}
+"""The arrays of a cached car (:func:`~flarepp.data.store.write_sample`) and their widths."""
+
+
+def cache_layout(pressure_array: str, wall_shear_array: str) -> ChannelLayout:
+    """The cache as a store: inputs the cell centres and normals, targets the 4 fields."""
+    return ChannelLayout(
+        inputs=(ChannelGroup("centres", ("x", "y", "z"), "cell centres", units="m"),
+                ChannelGroup("normals", ("n_x", "n_y", "n_z"), "cell normals")),
+        targets=(ChannelGroup("fields", FIELD_NAMES, f"{pressure_array}, {wall_shear_array}",
+                              units=FIELD_UNITS),),
+        association="cell", coordinates=3, dimensions=3)
 VTK_INSTALL_HINT = "pip install 'flarepp[surface]' (the PyPI wheel 'vtk')"
 
 
@@ -180,33 +199,6 @@ def read_vtp(path: str | Path, arrays: Sequence[str] | None = None) -> SurfacePo
         cell_arrays=cell_arrays, field_data=field_data)
     check_cells(surface, path)
     return surface
-
-
-DIGEST_EDGE = 1 << 16     # bytes hashed at each end of a file (a VTK XML header is smaller)
-DIGEST_BLOCKS = 64        # blocks hashed between the ends
-DIGEST_BLOCK = 1 << 12
-
-
-def sampled_digest(path: str | Path) -> str:
-    """SHA-256 of a file's size, its first and last 64 KiB and 64 blocks of 4 KiB spaced
-    evenly between them: about 0.4 MiB read whatever the size (a DrivAerML surface is ~1
-    GB). Every byte of a file up to 384 KiB is hashed; in a larger one, an edit that misses
-    the header, the tail and the sampled blocks and keeps the size and modification time
-    goes unseen."""
-    path = Path(path)
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        digest.update(f.read(DIGEST_EDGE))
-        inner = max(size - 2 * DIGEST_EDGE, 0)
-        for k in range(DIGEST_BLOCKS if inner > DIGEST_BLOCKS * DIGEST_BLOCK else 0):
-            f.seek(DIGEST_EDGE + inner * k // DIGEST_BLOCKS)
-            digest.update(f.read(DIGEST_BLOCK))
-        if inner <= DIGEST_BLOCKS * DIGEST_BLOCK:   # small: hash the middle whole
-            digest.update(f.read(inner))
-        f.seek(max(size - DIGEST_EDGE, DIGEST_EDGE))
-        digest.update(f.read(DIGEST_EDGE))
-    return digest.hexdigest()[:32]
 
 
 def check_cells(surface: SurfacePolygons, path: str | Path) -> None:
@@ -393,22 +385,6 @@ class SurfaceStatistics:
         return cls(**state)
 
 
-def merge_moments(count_a: int, mean_a: np.ndarray, m2_a: np.ndarray, chunk_K: np.ndarray
-                  ) -> tuple[int, np.ndarray, np.ndarray]:
-    """Add the rows of ``chunk_K`` to running float64 (count, mean, sum of squared
-    deviations): the pairwise update of Chan, Golub & LeVeque (1979)."""
-    chunk = np.asarray(chunk_K, dtype=np.float64)
-    count_b = len(chunk)
-    if count_b == 0:
-        return count_a, mean_a, m2_a
-    mean_b = chunk.mean(axis=0)
-    m2_b = ((chunk - mean_b) ** 2).sum(axis=0)
-    count = count_a + count_b
-    delta = mean_b - mean_a
-    return (count, mean_a + delta * (count_b / count),
-            m2_a + m2_b + delta ** 2 * (count_a * count_b / count))
-
-
 class DrivAerMLSurfaces:
     """The full-surface DrivAerML files under ``root`` (``root/run_<i>/boundary_<i>.vtp``).
 
@@ -497,25 +473,12 @@ class DrivAerMLSurfaces:
 
     @staticmethod
     def _open_cache(folder: Path, expected: dict) -> tuple[np.ndarray, ...] | None:
-        try:
-            meta = json.loads((folder / "meta.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        arrays = open_sample(folder, expected, CACHE_ARRAYS)
+        if arrays is None:
             return None
-        if {k: meta.get(k) for k in expected} != expected:
-            return None
-        n = meta["n_cells"]
-        arrays = []
-        for name, shape in (("centres", (n, 3)), ("normals", (n, 3)), ("fields", (n, 4)),
-                            ("areas", (n,))):
-            try:
-                array = np.load(folder / f"{name}.npy", mmap_mode="r")
-            except (FileNotFoundError, ValueError):
-                return None
-            if array.shape != shape or array.dtype != np.float32:
-                return None
-            arrays.append(array)
-        stream = meta.get("free_stream")
-        return (*arrays, None if stream is None else tuple(float(v) for v in stream))
+        stream = read_sample_meta(folder).get("free_stream")
+        return (arrays["centres"], arrays["normals"], arrays["fields"], arrays["areas"][:, 0],
+                None if stream is None else tuple(float(v) for v in stream))
 
     def convert(self, car: str) -> Path:
         """Read ``car``'s ``.vtp``, check it, and write its cache folder (module docstring)."""
@@ -538,14 +501,7 @@ class DrivAerMLSurfaces:
             if not finite.all():
                 raise DataError(f"{source}: {name} holds {int((~finite).sum())} non-finite "
                                 f"value(s), first at index {int(np.flatnonzero(~finite)[0])}")
-        from flarepp.data.generators._io import write_atomically   # the package imports us
         folder = self.cache_dir / car
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "meta.json").unlink(missing_ok=True)   # invalid until rewritten
-        except OSError as err:
-            raise DataError(f"cannot write the cache {folder} ({err}); pass cache_dir= a "
-                            "writable directory") from err
         centres, normals = np.empty((n, 3), np.float32), np.empty((n, 3), np.float32)
         areas = np.empty(n, np.float32)
         for start in range(0, n, CHUNK_CELLS):          # bounded float64 temporaries
@@ -556,22 +512,29 @@ class DrivAerMLSurfaces:
                                                 surface.connectivity, start, stop)
             except ValueError as err:
                 raise DataError(f"{source}: {err}") from None
-        write_atomically({folder / "centres.npy": lambda h: np.save(h, centres),
-                          folder / "normals.npy": lambda h: np.save(h, normals),
-                          folder / "areas.npy": lambda h: np.save(h, areas),
-                          folder / "fields.npy": lambda h: np.save(h, fields.astype(np.float32))})
         meta["n_cells"] = n
         if "free_stream" in surface.field_data:
             meta["free_stream"] = [float(v) for v in surface.field_data["free_stream"]]
-        write_atomically({folder / "meta.json":
-                          lambda h: h.write(json.dumps(meta, indent=1).encode())})
+        try:
+            write_sample(folder, {"centres": centres, "normals": normals, "fields": fields,
+                                  "areas": areas[:, None]}, meta)
+        except DataError as err:
+            raise DataError(f"{err}; pass cache_dir= a writable directory") from None
         return folder
 
     def prepare(self, splits: Sequence[str] = ("train", "test"), progress: bool = True) -> None:
-        """Convert every run of ``splits`` whose cache is missing or stale."""
+        """Convert every run of ``splits`` whose cache is missing or stale, then write the
+        cache's ``manifest.json``: the cache is then a complete store
+        (:mod:`flarepp.data.store`; ``flarepp data check CACHE`` describes it, dataset
+        ``store`` reads it)."""
         runs = [run for split in splits for run in self.cars(split)]
         for run in tqdm(runs, desc="convert .vtp", unit="run", disable=not progress):
             self.load(run)
+        metas = {run: read_sample_meta(self.cache_dir / run) for run in runs}
+        write_manifest(self.cache_dir, cache_layout(self.pressure_array, self.wall_shear_array),
+                       {split: self.cars(split) for split in splits}, metas,
+                       {"made_by": "flarepp.data.drivaerml", "root": str(self.root),
+                        "split_file": str(self.split_file)})
 
     def polygons(self, car: str) -> SurfacePolygons:
         """The run's surface (points and polygons) with the two field arrays, for pictures."""
@@ -591,9 +554,7 @@ class DrivAerMLSurfaces:
         if path.is_file():
             return SurfaceStatistics.from_dict(json.loads(path.read_text()))
         stats = surface_statistics((self.load(run) for run in runs), len(runs), progress)
-        from flarepp.data.generators._io import write_atomically   # the package imports us
-        write_atomically({path: lambda h: h.write(json.dumps(stats.to_dict(), indent=1)
-                                                  .encode())})
+        atomic_write_json(path, stats.to_dict(), indent=1)
         return stats
 
 

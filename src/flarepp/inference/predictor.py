@@ -60,6 +60,7 @@ class InputLayout:
     conditions: tuple[int, int] | None = None
     field_names: tuple[str, ...] = ()
     units: str = ""
+    condition_names: tuple[str, ...] = ()
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> "InputLayout":
@@ -71,7 +72,8 @@ class InputLayout:
         names = inputs.get("names")
         return cls(int(model["in_dim"]), int(model["out_dim"]), inputs.get("coordinates"),
                    None if names is None else tuple(names), conditions,
-                   tuple(data.get("field_names", ())), str(data.get("units", "")))
+                   tuple(data.get("field_names", ())), str(data.get("units", "")),
+                   tuple(data.get("conditions", ())))
 
     @property
     def features(self) -> int:
@@ -328,12 +330,31 @@ class Predictor:
             raise PredictorError(f"this run's model is conditioned on {tokens} token(s) of "
                                  f"{width} features per sample: give conditions= "
                                  f"[{'' if single else 'B, '}{tokens}, {width}]")
+        if isinstance(conditions, dict):
+            conditions = _named_conditions(conditions, layout)
         c = _host_array(conditions, "conditions")
+        if tokens == 1 and c.ndim == (1 if single else 2):  # one token: [C] or [B, C]
+            c = c[..., None, :]
         c = c[None] if single and c.ndim == 2 else c
         if list(c.shape) != [samples, tokens, width]:
             raise PredictorError(f"conditions must be [B, K, C] = [{samples}, {tokens}, "
                                  f"{width}], got {list(c.shape)}")
         return c
+
+
+def _named_conditions(conditions: dict[str, Any], layout: InputLayout) -> np.ndarray:
+    """``{name: value or [B] values}`` as the ``[(B,) C]`` array of the run's condition
+    channels, in their stored order (every name given once, none unknown)."""
+    names = layout.condition_names
+    if not names:
+        raise PredictorError("this run did not store the names of its conditions: give "
+                             "conditions= as an array")
+    unknown = sorted(set(conditions) - set(names))
+    missing = [n for n in names if n not in conditions]
+    if unknown or missing:
+        raise PredictorError(f"conditions= names {', '.join(names)} (the run's): "
+                             + (f"unknown {unknown}" if unknown else f"missing {missing}"))
+    return np.stack([np.asarray(conditions[n], np.float32) for n in names], axis=-1)
 
 
 def _want(layout: InputLayout) -> str:
@@ -382,7 +403,7 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
     model = rebuild_model(state, path, ema=None if weights is None else weights == "ema")
     config = RunConfig.from_stored(state["config"])
     device = resolve_device(device)
-    conditions = norms.get("conditions")
+    conditions = norms.get("c")
     return Predictor(model.to(device).eval(), inputs=Normalizer.from_state_dict(norms["x"]),
                      outputs=Normalizer.from_state_dict(norms["y"]),
                      conditions=None if conditions is None

@@ -216,15 +216,18 @@ class ConditionedSurrogate(nn.Module):
         init_backbone_weights(self)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
-                conditioning: torch.Tensor,
+                conditioning: torch.Tensor | None = None,
                 conditioning_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         check_tokens(x, mask, c.in_dim)
         expected = [x.shape[0], c.cond_tokens, c.cond_dim]
-        if conditioning is None or list(conditioning.shape) != expected:
-            got = None if conditioning is None else list(conditioning.shape)
+        if conditioning is None:
+            raise ValueError(f"conditioned: this model takes conditioning tokens [B, K, F] = "
+                             f"{expected} (e.g. each sample's conditions) and none were given; "
+                             "pass them (conditioning=...)")
+        if list(conditioning.shape) != expected:
             raise ValueError(f"conditioned: conditioning must have shape [B, K, F] = "
-                             f"{expected}, got {got}")
+                             f"{expected}, got {list(conditioning.shape)}")
         if conditioning_mask is not None and conditioning_mask.shape != conditioning.shape[:2]:
             raise ValueError(f"conditioning_mask must have shape {expected[:2]}, got "
                              f"{list(conditioning_mask.shape)}")

@@ -285,7 +285,7 @@ def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None =
 
 def mesh_normalizers(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
     """The stored normalisers of a model that maps mesh points to fields (``x``, ``y``, and
-    ``conditions`` when stored); a sentence for a run of another task (lm, sequence,
+    ``c``, the conditions', when stored); a sentence for a run of another task (lm, sequence,
     rollout: they store none)."""
     norms = state["normalizers"]
     if not (isinstance(norms, dict) and "x" in norms and "y" in norms):

@@ -2,15 +2,29 @@
 
 Shape letters: B batch, N points, I input and O output channels.
 
-Data: a registered dataset (:mod:`flarepp.data`) with train and test splits; with
-``config.val_fraction`` > 0 a validation split ``val`` is carved from the training split
-(:meth:`flarepp.data.DatasetSplits.carve_validation`: the same samples whatever the run's
-seed) and the rest is the training split everything below fits on. Outputs are
-standardised per channel with the training split's mean and std, fitted over real points
-only; inputs per channel by ``config.input_norm`` (:data:`INPUT_NORMS`; ``reference``: the
-FLARE study's rule per dataset, :data:`REFERENCE_INPUT_NORM`). A sample's points are its
-real points (padding dropped); a batch pads them to its own longest mesh with a mask, so
-memory follows the batch, not the dataset's largest mesh.
+Data: a registered dataset (:mod:`flarepp.data`) with train and test splits, in memory
+(the benchmarks, ``npz``) or a store read one sample at a time (dataset ``store``,
+:mod:`flarepp.data.store`); with ``config.val_fraction`` > 0 a validation split ``val`` is
+carved from the training split (:meth:`flarepp.data.DatasetSplits.carve_validation`: the
+same samples whatever the run's seed) and the rest is the training split everything below
+fits on. Outputs are standardised per channel with the training split's mean and std,
+fitted over real points only; inputs per channel by ``config.input_norm``
+(:data:`INPUT_NORMS`; ``reference``: the FLARE study's rule per dataset,
+:data:`REFERENCE_INPUT_NORM`). The statistics of a store come from one streaming float64
+pass (:class:`~flarepp.data.RunningMoments`), equal to the in-memory fit to rounding. A
+sample's points are its real points (padding dropped); a batch pads them to its own
+longest mesh with a mask, so memory follows the batch, not the dataset's largest mesh. With
+the store's ``points_per_step`` a training item is a fresh random subset of that many of a
+sample's points (:func:`~flarepp.data.subset_points`, seeded per sample and epoch, as the
+surface task's ``cells_per_step``); evaluation uses every point.
+
+Conditions: per-sample global values ``c [K]`` (a load, an inflow speed, a Reynolds number;
+a store's ``conditions``), standardised by the training split's mean and std (the ``c``
+normaliser of the checkpoint), enter a model of ``model.arch="conditioned"``
+(:mod:`flarepp.models.conditioned`) as one conditioning token ``[B, 1, K]``: its
+``conditioning`` scheme decides how (``concat`` appends them to every point's inputs,
+``adaln`` modulates every block, ``cross`` adds the token to every encode). A plain model
+on data with conditions trains without them and says so (a ``DataWarning``).
 
 Loss (``config.loss``, :data:`LOSSES`): ``rel_l2``, the metric below as the loss;
 ``rel_l2_grad``, that plus ``grad_loss_weight`` x the relative L2 error of the grid's
@@ -24,6 +38,7 @@ under ``zero_target_samples`` with its absolute L2 error.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +46,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from flarepp.data import DataError, DatasetSplits, MeshSamples, Normalizer, load_dataset
+from flarepp.data import (ChannelStatistics, DataError, DatasetSplits, DataWarning,
+                          MeshSamples, Normalizer, load_dataset, subset_points)
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.registry import Registry
@@ -250,18 +266,21 @@ def fit_input_normalizer(x_SNI: np.ndarray, mask_SN: np.ndarray | None,
                          rules: list[str]) -> Normalizer:
     """A :class:`Normalizer` (``(a - shift) / scale`` per channel) applying ``rules`` to the
     channels of ``x``, fitted on the training split's real points."""
-    channels = x_SNI.shape[-1]
+    return input_normalizer(ChannelStatistics.of_array(x_SNI, mask_SN), rules)
+
+
+def input_normalizer(stats: ChannelStatistics, rules: list[str]) -> Normalizer:
+    """:func:`fit_input_normalizer` from the training split's statistics over its real
+    points (whole-array or streamed, :meth:`~flarepp.data.MeshSamples.fit_statistics`)."""
+    channels = len(rules)
     shift, scale = np.zeros(channels, np.float32), np.ones(channels, np.float32)
     standard = [k for k, r in enumerate(rules) if r == "standard"]
     if standard:
-        fitted = Normalizer.fit(x_SNI[..., standard], mask_SN, what="input")
+        fitted = Normalizer.from_statistics(stats.select(standard), what="input")
         shift[standard], scale[standard] = fitted.mean, fitted.std
     box = [k for k, r in enumerate(rules) if r == "bbox"]
     if box:
-        flat = x_SNI[..., box].reshape(-1, len(box))
-        if mask_SN is not None:
-            flat = flat[mask_SN.reshape(-1)]
-        low, high = flat.min(0).astype(np.float64), flat.max(0).astype(np.float64)
+        low, high = stats.low[box], stats.high[box]
         shift[box] = low
         scale[box] = np.where(high > low, high - low, 1.0)  # a flat channel is only shifted
     return Normalizer(shift, scale)
@@ -285,17 +304,58 @@ class FieldTask(Task):
         self.splits = self.data_splits
         if config.val_fraction > 0:
             self.splits = self.data_splits.carve_validation(config.val_fraction)
+        if self.splits.val is not None:
             self.eval_splits = (*self.eval_splits, "val")
         train = self.splits.train
+        if self.splits.out_dim == 0:
+            raise DataError(f"{self.splits.source or self.data_root}: the data has no target "
+                            "channels (a store converted with targets = [], for prediction "
+                            "only), so there is nothing to train on")
+        self.layout = self.splits.channel_layout()
+        self.points_per_step = self.splits.points_per_step
         self.variable_n = any(s.mask is not None for s in (train, self.splits.test))
         self.loss_name = resolve_loss(config)
         self.loss_fn: FieldLoss = LOSSES.get(self.loss_name)(self)
         self.input_norm = resolve_input_norm(config, self.splits.in_dim)
-        self._check_loss_data()
+        self.conditioned = self._takes_conditions()
+        stats = train.fit_statistics()
+        self._check_loss_data(stats)
         # A grid loss sees whole grids: padded nodes of a masked grid stay in place, masked.
         self.keeps_grid = self.loss_fn.needs_grid and train.mask is not None
-        self._set_normalizers(fit_input_normalizer(train.x, train.mask, self.input_norm),
-                              Normalizer.fit(train.y, train.mask, what="output"))
+        c_norm = (Normalizer.from_statistics(stats.conditions, what="condition",
+                                             names=self.layout.condition_names)
+                  if self.conditioned else None)
+        self._set_normalizers(input_normalizer(stats.x, self.input_norm),
+                              Normalizer.from_statistics(stats.y, what="output"), c_norm)
+
+    def _where(self) -> str:
+        return self.splits.source or str(self.data_root)
+
+    def _takes_conditions(self) -> bool:
+        """Whether the model takes the data's per-sample conditions: a ``conditioned``
+        model needs them; a plain one on data with conditions trains without them, with a
+        warning naming them (module docstring)."""
+        arch = self.config.model.get("arch", "surrogate")
+        names = self.layout.condition_names
+        has = self.splits.train.conditions is not None
+        if arch == "conditioned":
+            if not has:
+                raise DataError(f"{self._where()}: model.arch='conditioned' takes per-sample "
+                                "conditions, but the data has none (a store converted with "
+                                "`conditions` in its spec has them); train a plain model")
+            if self.config.eval_chunk_size is not None:
+                raise ValueError("eval_chunk_size streams a mesh through a plain model; a "
+                                 "model with conditions is evaluated whole (leave "
+                                 "eval_chunk_size unset)")
+            return True
+        if has:
+            warnings.warn(f"{self._where()}: the data has per-sample conditions {names}, "
+                          f"which model.arch={arch!r} does not take, so it trains without "
+                          "them; to use them train a conditioned model (preset "
+                          "store-conditioned-tiny, or --set model.arch=conditioned), or "
+                          "leave them out with dataset_options.conditions=[]", DataWarning,
+                          stacklevel=3)
+        return False
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -315,24 +375,26 @@ class FieldTask(Task):
         if config.grad_loss_weight < 0:
             raise ValueError(f"grad_loss_weight must be >= 0, got {config.grad_loss_weight}")
 
-    def _check_loss_data(self) -> None:
+    def _check_loss_data(self, stats) -> None:
         """Refuse training data on which the loss is undefined (a relative error of a zero
-        target, a gradient loss without a grid)."""
+        target, a gradient loss without a grid or on random point subsets)."""
+        train, where = self.splits.train, self._where()
+        if self.loss_fn.needs_grid and self.points_per_step is not None:
+            raise ValueError(f"loss={self.loss_name} needs every node of a grid, but "
+                             f"dataset_options.points_per_step={self.points_per_step} trains "
+                             "on random subsets of the points; use loss=rel_l2")
         if not self.loss_fn.physical_targets:
             return
-        train, where = self.splits.train, self.splits.source or str(self.data_root)
-        mask = np.ones(train.y.shape[:2], bool) if train.mask is None else train.mask
-        zero = np.flatnonzero((np.square(train.y, dtype=np.float64)
-                               * mask[..., None]).sum((1, 2)) == 0)
-        if len(zero):
-            raise DataError(f"{where}: training sample(s) {zero[:10].tolist()} have an all-zero "
-                            f"target, whose relative error (loss={self.loss_name}) is "
-                            "undefined; remove them or train with loss=mse")
+        if stats.zero_targets:
+            raise DataError(f"{where}: training sample(s) {stats.zero_targets[:10]} have an "
+                            f"all-zero target, whose relative error (loss={self.loss_name}) "
+                            "is undefined; remove them or train with loss=mse")
         if self.loss_fn.needs_grid:
             if train.grid_shape is None:
                 raise DataError(f"{where}: loss=rel_l2_grad needs a structured grid "
                                 f"(grid_shape), but dataset {self.config.dataset!r} has none; "
                                 "use loss=rel_l2")
+            mask = np.ones(train.y.shape[:2], bool) if train.mask is None else train.mask
             y = torch.from_numpy(train.y.astype(np.float64))
             grads = grid_gradients(y, train.grid_shape,
                                    None if train.mask is None else torch.from_numpy(mask))
@@ -343,14 +405,9 @@ class FieldTask(Task):
                                 "target constant along a grid axis, whose gradient's relative "
                                 "error (loss=rel_l2_grad) is undefined; use loss=rel_l2")
 
-    def _set_normalizers(self, x_norm: Normalizer, y_norm: Normalizer) -> None:
-        self.x_norm, self.y_norm = x_norm, y_norm
-        train = self.splits.train
-        # Normalised training arrays, padding kept at exactly zero.
-        x_n, y_n = x_norm.encode(train.x), y_norm.encode(train.y)
-        if train.mask is not None:
-            x_n, y_n = x_n * train.mask[..., None], y_n * train.mask[..., None]
-        self._train_normalised = (x_n, y_n)
+    def _set_normalizers(self, x_norm: Normalizer, y_norm: Normalizer,
+                         c_norm: Normalizer | None = None) -> None:
+        self.x_norm, self.y_norm, self.c_norm = x_norm, y_norm, c_norm
         self._check_test_range()
 
     def _check_test_range(self) -> dict[int, float]:
@@ -359,11 +416,12 @@ class FieldTask(Task):
         standard deviations and are left out. Returns ``{channel: max |z|}``."""
         standard = [k for k, r in enumerate(self.input_norm) if r == "standard"]
         test = self.splits.test
-        if not standard or test.x.shape[0] == 0:
+        if not standard or len(test) == 0:
             return {}
         part = Normalizer(self.x_norm.mean[standard], self.x_norm.std[standard])
-        return part.check_range(test.x[..., standard], test.mask, channels=standard,
-                                what=f"{self.splits.source or self.config.dataset} test inputs")
+        return part.check_statistics(
+            test.fit_statistics().x.select(standard), channels=standard,
+            what=f"{self.splits.source or self.config.dataset} test inputs")
 
     # -- data ----------------------------------------------------------------------------
     def samples(self, split: str) -> MeshSamples:
@@ -378,20 +436,30 @@ class FieldTask(Task):
 
     def get(self, split: str, index: int, seed: int, *, training: bool = False) -> Item:
         """Normalised inputs; for training the targets the loss compares (normalised for
-        ``mse``, physical otherwise), physical ones for evaluation."""
+        ``mse``, physical otherwise), physical ones for evaluation; a training item of a
+        store with ``points_per_step`` is a random subset of the sample's points drawn
+        with ``seed``; the sample's normalised ``conditions`` for a conditioned model."""
         s = self.samples(split)
-        if training:
-            x = self._train_normalised[0][index]
-            y = s.y[index] if self.loss_fn.physical_targets else self._train_normalised[1][index]
-        else:
-            x, y = self.x_norm.encode(s.x[index]), s.y[index]
+        normalise_y = training and not self.loss_fn.physical_targets
         item = {"index": np.int64(index)}
-        if s.mask is not None and training and self.keeps_grid:
+        if training and self.keeps_grid:     # whole grids with their own masks
+            real = s.mask[index][:, None]
+            x = self.x_norm.encode(s.x[index]) * real
+            y = self.y_norm.encode(s.y[index]) * real if normalise_y else s.y[index]
             item["mask"] = np.ascontiguousarray(s.mask[index])
-        elif s.mask is not None:
-            real = s.mask[index]
-            x, y = x[real], y[real]
+        else:
+            points = None
+            if training and self.points_per_step is not None:
+                points = subset_points(int(s.point_counts()[index]), self.points_per_step,
+                                       seed)
+            x, y = s.sample(index, points)
+            x = self.x_norm.encode(x)
+            if normalise_y:
+                y = self.y_norm.encode(y)
         item.update(x=np.ascontiguousarray(x, np.float32), y=np.ascontiguousarray(y, np.float32))
+        if self.conditioned:
+            item["conditions"] = np.ascontiguousarray(
+                self.c_norm.encode(s.conditions[index]), np.float32)
         return item
 
     def item_size(self, item: Item) -> int:
@@ -399,16 +467,33 @@ class FieldTask(Task):
 
     def collate(self, items: list[Item]) -> Batch:
         own_masks = "mask" in items[0]  # whole grids with their own masks
-        batch = collate_point_clouds(items, [self.item_size(it) for it in items],
-                                     masked=self.variable_n and not own_masks)
+        lengths = [self.item_size(it) for it in items]
+        batch = collate_point_clouds(items, lengths, masked=(self.variable_n or len(set(
+            lengths)) > 1) and not own_masks)
         if own_masks:
             batch["mask"] = torch.from_numpy(np.stack([it["mask"] for it in items]))
+        if self.conditioned:
+            batch["conditions"] = torch.from_numpy(np.stack([it["conditions"] for it in items]))
         return batch
 
     # -- model ---------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
+        extra = ({"cond_dim": len(self.layout.condition_names), "cond_tokens": 1}
+                 if self.conditioned else {})
         return build_model(in_dim=self.splits.in_dim, out_dim=self.splits.out_dim,
-                           **self.config.model_kwargs())
+                           **extra, **self.config.model_kwargs())
+
+    def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """``model(x, mask)``; a conditioned model also gets the batch's conditions as one
+        conditioning token ``[B, 1, K]`` (module docstring)."""
+        if not self.conditioned:
+            return model(batch["x"], mask=batch.get("mask"))
+        if "conditions" not in batch:
+            names = self.layout.condition_names
+            raise DataError(f"the model was trained with per-sample conditions {names}, and "
+                            "this batch has none; give every sample its conditions")
+        return model(batch["x"], mask=batch.get("mask"),
+                     conditioning=batch["conditions"][:, None, :])
 
     # -- loss and metrics ----------------------------------------------------------------
     def loss(self, pred: torch.Tensor, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
@@ -451,36 +536,54 @@ class FieldTask(Task):
 
     # -- state and outputs ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"x": self.x_norm.state_dict(), "y": self.y_norm.state_dict()}
+        """The ``x`` and ``y`` normalisers, and ``c`` (the conditions') when conditioned."""
+        state = {"x": self.x_norm.state_dict(), "y": self.y_norm.state_dict()}
+        if self.c_norm is not None:
+            state["c"] = self.c_norm.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.conditioned and "c" not in state:
+            raise DataError("the checkpoint holds no normaliser of the conditions "
+                            f"{self.layout.condition_names} this task feeds its model")
         self._set_normalizers(Normalizer.from_state_dict(state["x"]),
-                              Normalizer.from_state_dict(state["y"]))
+                              Normalizer.from_state_dict(state["y"]),
+                              Normalizer.from_state_dict(state["c"]) if self.conditioned
+                              else None)
 
     def normalizers(self) -> dict[str, Normalizer]:
-        return {"x": self.x_norm, "y": self.y_norm}
+        maps = {"x": self.x_norm, "y": self.y_norm}
+        if self.c_norm is not None:
+            maps["conditions"] = self.c_norm
+        return maps
 
     def input_layout(self) -> dict[str, Any]:
         """``{"coordinates": G, "names": [...]}``: the first G input channels are the
-        points' coordinates when the data's plot positions are exactly those channels
-        (every built-in dataset); G is None when the data does not say (an ``npz`` without
+        points' coordinates, as the data's channel layout says (a store's, from its spec);
+        for in-memory data only where its plot positions are exactly those channels (every
+        built-in dataset). G is None when the data does not say (an ``npz`` without
         ``coords``, or with positions that are not inputs)."""
+        coordinates = self.layout.coordinates or None
         train = self.splits.train
-        coordinates = None
-        if train.coords is not None and train.coords.shape[-1] <= train.x.shape[-1]:
-            g = train.coords.shape[-1]
+        if coordinates is not None and self.splits.layout is None:
             real = np.ones(train.x.shape[:2], bool) if train.mask is None else train.mask
-            if np.array_equal(train.coords[real], train.x[..., :g][real]):
-                coordinates = int(g)
-        axes = ("x", "y", "z")
-        names = [axes[k] if coordinates is not None and k < coordinates <= 3
-                 else f"input {k}" for k in range(self.splits.in_dim)]
-        return {"coordinates": coordinates, "names": names}
+            if train.coords is None or not np.array_equal(
+                    train.coords[real], train.x[..., :coordinates][real]):
+                coordinates = None
+        return {"coordinates": coordinates, "names": self.layout.input_channels}
 
     def describe_data(self) -> dict[str, Any]:
+        """Field names, units, loss, input rules and the channel ``layout``
+        (:class:`~flarepp.data.ChannelLayout`: every input, target and condition channel,
+        the leading coordinate channels, point or cell data, units and scales), with the
+        ``conditions`` the model takes ([] for none): enough to assemble a model's inputs
+        from a mesh."""
         facts = {"dataset": self.config.dataset, "field_names": self.splits.field_names,
                  "units": self.splits.units, "loss": self.loss_name,
-                 "input_norm": self.input_norm, "inputs": self.input_layout()}
+                 "input_norm": self.input_norm, "inputs": self.input_layout(),
+                 "layout": self.layout.to_dict(),
+                 "conditions": self.layout.condition_names if self.conditioned else [],
+                 "points_per_step": self.points_per_step}
         if self.splits.val is not None:
             facts["validation"] = {"fraction": self.config.val_fraction,
                                    "samples": len(self.splits.val)}
@@ -494,23 +597,35 @@ class FieldTask(Task):
         relative error ``mean_b ||c - y_b||^2 / ||y_b||^2``. A sample with a zero target is
         left out, as in the metric."""
         train = self.splits.train
-        real_SN1 = (np.ones(train.y.shape[:2], bool) if train.mask is None
-                    else train.mask)[..., None]
-        y_SNO = train.y.astype(np.float64) * real_SN1
-        ref_S = np.square(y_SNO).sum((1, 2))
+        counts = train.point_counts()
+
+        def targets(b: int) -> tuple[np.ndarray, np.ndarray]:   # y [n, O], its positions [n]
+            real = None if train.mask is None else train.mask[b]
+            where = np.arange(counts[b]) if real is None else np.flatnonzero(real)
+            return train.sample(b)[1].astype(np.float64), where
+
+        weighted = np.zeros((train.n_points, train.out_dim))
+        weight = np.zeros((train.n_points, 1))
+        ref_S = np.zeros(len(train))
+        for b in range(len(train)):                  # one pass: the weighted mean per point
+            y, where = targets(b)
+            ref_S[b] = np.square(y).sum()
+            if ref_S[b] > 0:
+                weighted[where] += y / ref_S[b]
+                weight[where] += 1.0 / ref_S[b]
         keep = ref_S > 0
         if not keep.any():
             return {}
-        w_S11 = (1.0 / ref_S[keep])[:, None, None]
-        weight_NO = (w_S11 * real_SN1[keep]).sum(0)
-        constant_NO = (w_S11 * y_SNO[keep]).sum(0) / np.where(weight_NO > 0, weight_NO, 1.0)
-        err_S = (np.square(constant_NO - y_SNO) * real_SN1).sum((1, 2))
+        constant_NO = weighted / np.where(weight > 0, weight, 1.0)
+        err_S = np.zeros(len(train))
+        for b in np.flatnonzero(keep):               # a second pass: its error per sample
+            y, where = targets(b)
+            err_S[b] = np.square(constant_NO[where] - y).sum()
         return {f"train_constant_{self.headline}":
                 float(np.sqrt(err_S[keep] / ref_S[keep]).mean())}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.data.fingerprint import data_fingerprint
-        return data_fingerprint(self.data_splits.train, self.data_root)
+        return self.data_splits.train.fingerprint(self.data_root)
 
     def check_model(self, model_config: dict[str, Any]) -> None:
         for key, have in (("in_dim", self.splits.in_dim), ("out_dim", self.splits.out_dim)):
@@ -519,33 +634,33 @@ class FieldTask(Task):
                 raise DataError(f"{self.splits.source or self.data_root}: the data's {what} "
                                 f"have {have} channels, the checkpoint's model takes "
                                 f"{model_config.get(key)}")
+        takes = model_config.get("arch") == "conditioned"
+        names = self.layout.condition_names if self.conditioned else []
+        if takes != self.conditioned or (takes and model_config.get("cond_dim") != len(names)):
+            raise DataError(f"{self._where()}: the task feeds the model the conditions "
+                            f"{names}, the checkpoint's model takes "
+                            f"{model_config.get('cond_dim', 0) if takes else 0} conditions")
 
-    def full_predictions(self, split: str, records: dict[str, np.ndarray]) -> np.ndarray:
-        """Predictions ``[S, N, O]`` at the split's own point layout (zeros at padding)."""
-        s = self.samples(split)
-        pred = np.zeros(s.y.shape, np.float32)
+    def full_predictions(self, split: str, records: dict[str, np.ndarray],
+                         arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Predictions ``[S, N, O]`` at the split's own point layout (zeros at padding);
+        ``arrays``: the split's ``padded_arrays()``, when already read."""
+        real = (arrays or self.samples(split).padded_arrays())["real"]
+        pred = np.zeros((*real.shape, self.splits.out_dim), np.float32)
         for row, i in enumerate(records["index"]):
-            if s.mask is None:
-                pred[i] = records["pred"][row, : s.n_points]
-            else:
-                real = s.mask[i]
-                pred[i, real] = records["pred"][row, : int(real.sum())]
+            pred[i, real[i]] = records["pred"][row, : int(real[i].sum())]
         return pred
 
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
                       ) -> list[Path]:
         if split != "test":
             return []
-        s = self.samples(split)
-        coords = s.coords if s.coords is not None else s.x[..., :2]
-        arrays = {"pred": self.full_predictions(split, records), "true": s.y,
-                  "coords": coords, "rel_l2": records["rel_l2"],
+        padded = self.samples(split).padded_arrays()
+        arrays = {"pred": self.full_predictions(split, records, padded), "true": padded["true"],
+                  "coords": padded["coords"], "rel_l2": records["rel_l2"],
                   "field_names": np.asarray(self.splits.field_names),
                   "units": np.asarray(self.splits.units)}
-        if s.mask is not None:
-            arrays["mask"] = s.mask
-        if s.grid_shape is not None:
-            arrays["grid_shape"] = np.asarray(s.grid_shape)
+        arrays.update({k: padded[k] for k in ("mask", "grid_shape") if k in padded})
         return [atomic_write_npz(RunDir(out_dir).predictions(split), arrays, compressed=True)]
 
     @classmethod

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flarepp.data import DataError, Normalizer, load_dataset
+from flarepp.data import DataError, Normalizer, load_dataset, subset_points
 from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
                                     WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
 from flarepp.data.surface import (DATASET, TEST_SPLITS, SurfaceData,  # noqa: F401  (re-exported)
@@ -83,13 +83,9 @@ FIGURE_SUBSET = 10                  # Figures 13-14: the median case of the firs
 ERRORS_FILE = RunDir.SURFACE_ERRORS
 
 
-def subset_cells(n_cells: int, size: int, seed: int) -> np.ndarray:
-    """``size`` distinct cell indices out of ``n_cells``, uniform without replacement, drawn
-    by ``default_rng(seed)``, in increasing order (the set is what is drawn; the order only
-    makes memory-mapped reads sequential). ``size >= n_cells`` gives every cell."""
-    if size >= n_cells:
-        return np.arange(n_cells)
-    return np.sort(np.random.default_rng(seed).choice(n_cells, size=size, replace=False))
+subset_cells = subset_points
+"""``size`` distinct cells of ``n_cells`` drawn by ``default_rng(seed)``, sorted
+(:func:`flarepp.data.subset_points`, which the fields task's ``points_per_step`` uses too)."""
 
 
 def input_normalizer(stats: SurfaceStatistics) -> Normalizer:

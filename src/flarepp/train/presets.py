@@ -95,6 +95,24 @@ PRESETS.add("npz", RunConfig(
     doc="your own data (flarepp train --data my.npz): a small FLARE++, 100 epochs")
 
 
+# A store (`flarepp data convert`, dataset ``store``, docs/data.md): elasticity-tiny's
+# model and schedule. ``store-conditioned-tiny`` feeds the store's per-sample conditions to
+# the same backbone through the ``conditioned`` architecture's ``concat`` scheme (each
+# sample's K standardised conditions appended to every point's inputs): for a few global
+# scalars it is the same model as ``store-tiny`` but for K input columns, so the two
+# measure what the conditions add (docs/data.md).
+_STORE_MODEL = dict(mixer="flarepp", dim=64, heads=4, blocks=3, latents=32)
+for _name, _model, _doc in (
+        ("store-tiny", _STORE_MODEL, "a store from `flarepp data convert` (CPU-sized)"),
+        ("store-conditioned-tiny", dict(arch="conditioned", conditioning="concat",
+                                        **_STORE_MODEL),
+         "a store with per-sample conditions: concatenated to every point's inputs")):
+    PRESETS.add(_name, RunConfig(
+        name=_name, dataset="store", data_root="data/store", model=_model, epochs=25,
+        batch_size=4, lr=3e-3, ema_decay=0.99, pct_start=0.1, input_norm="standard",
+        loss="rel_l2", checkpoint_every=5), doc=_doc)
+
+
 def get_preset(name: str, overrides: list[str] | None = None) -> RunConfig:
     from flarepp.train.checks import apply_overrides
     return apply_overrides(PRESETS.get(name), list(overrides or []))

@@ -7,6 +7,12 @@ name (``flarepp.data.load_dataset(name, out, n_train=..., n_test=...)``).
 * ``darcy``: FNO's piecewise-constant Darcy recipe, 5-point finite volumes (``darcy.py``);
 * ``elasticity``: a unit cell with a random void, linear elasticity, P1 finite elements on a
   triangle mesh, von Mises stress at 972 points (``elasticity.py``; needs ``flarepp[mesh]``).
+* ``elasticity-mesh``: the same unit cells under a random load, one ``.vtu`` file per case
+  with the stress at every vertex and the load as field data, as a solver writes them (the
+  input of ``flarepp data convert``; ``elasticity.py``; needs ``flarepp[mesh]``).
+* ``laplace-store``: solutions of Laplace's equation at random points of a cube, written
+  straight into a store (:mod:`flarepp.data.store`) one sample at a time, so a data set of
+  any size fits in the memory of one sample (``laplace.py``).
 * ``surface-flow``: car-like bodies, potential-flow surface pressure and a skin-friction
   wall shear, DrivAerML's ``run_<i>/boundary_<i>.vtp`` layout (``surface_flow.py``; read with
   ``flarepp.data.drivaerml.DrivAerMLSurfaces``; needs ``flarepp[surface]``).
@@ -19,7 +25,8 @@ from __future__ import annotations
 
 from flarepp.data.generators.advection_diffusion import make_advection_diffusion
 from flarepp.data.generators.darcy import make_darcy
-from flarepp.data.generators.elasticity import make_elasticity
+from flarepp.data.generators.elasticity import make_elasticity, make_elasticity_mesh
+from flarepp.data.generators.laplace import make_laplace_store
 from flarepp.data.generators.surface_flow import make_surface_flow
 from flarepp.registry import Registry
 
@@ -28,6 +35,12 @@ GENERATORS.add("darcy", make_darcy, defaults={"resolution": 85},
                doc="Darcy flow, FNO recipe, finite volumes (.mat, release layout)")
 GENERATORS.add("elasticity", make_elasticity, defaults={"resolution": None},
                doc="unit cell with a random void, linear elasticity (.npy, Geo-FNO layout)")
+GENERATORS.add("elasticity-mesh", make_elasticity_mesh, defaults={"resolution": None},
+               doc="the elasticity unit cells as a solver writes them: one .vtu per case, "
+                   "von Mises stress at every vertex, the load a field-data condition")
+GENERATORS.add("laplace-store", make_laplace_store, defaults={"resolution": 100_000},
+               doc="harmonic fields at random points of a cube, written straight into a "
+                   "store one sample at a time (any size: a data set larger than memory)")
 GENERATORS.add("surface-flow", make_surface_flow, defaults={"resolution": 5000},
                doc="car-like bodies, source-panel pressure + skin-friction wall shear "
                    "(.vtp, DrivAerML layout; needs flarepp[surface])")
@@ -58,4 +71,4 @@ def how_to_get(dataset: str, out: str, options: str = "") -> str:
 
 
 __all__ = ["GENERATORS", "how_to_get", "make_advection_diffusion", "make_darcy",
-           "make_elasticity", "make_surface_flow"]
+           "make_elasticity", "make_elasticity_mesh", "make_laplace_store", "make_surface_flow"]

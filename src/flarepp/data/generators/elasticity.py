@@ -48,6 +48,7 @@ SIDE_SEGMENTS = 28       # boundary vertices per side of the square
 VOID_SEGMENTS = 72       # boundary vertices on the void
 MESH_VERTICES = 1060     # aimed-for vertex count before choosing 972 (at least 972)
 TRAIN_SPLIT, TEST_SPLIT = 0, 1
+LOAD_RANGE = (0.5, 2.0)  # traction magnitudes of elasticity-mesh cases
 
 
 def _require_mesh_packages():
@@ -104,8 +105,10 @@ def _mesh(pslg: dict, solid_area: float, triangle) -> dict:
     raise RuntimeError(f"could not mesh the unit cell with {N_POINTS} vertices")
 
 
-def solve_unit_cell(vertices_V2: np.ndarray, triangles_T3: np.ndarray) -> np.ndarray:
-    """Von Mises stress ``[V]`` at the vertices for the loading of the module docstring."""
+def solve_unit_cell(vertices_V2: np.ndarray, triangles_T3: np.ndarray,
+                    traction: float = TRACTION) -> np.ndarray:
+    """Von Mises stress ``[V]`` at the vertices for the loading of the module docstring,
+    the top edge's tension traction of magnitude ``traction``."""
     skfem, _ = _require_mesh_packages()
     from skfem.helpers import sym_grad
     from skfem.models.elasticity import lame_parameters, linear_elasticity, linear_stress
@@ -119,7 +122,7 @@ def solve_unit_cell(vertices_V2: np.ndarray, triangles_T3: np.ndarray) -> np.nda
 
     @skfem.LinearForm
     def top_traction(v, w):
-        return TRACTION * v[1]
+        return traction * v[1]
 
     top = skfem.FacetBasis(mesh, element, facets=mesh.facets_satisfying(
         lambda x: np.isclose(x[1], 1.0)), intorder=1)
@@ -159,6 +162,86 @@ def elasticity_sample(seed: int, split: int, index: int) -> tuple[np.ndarray, np
     keep = np.sort(np.concatenate(
         [boundary, rng.choice(interior, N_POINTS - len(boundary), replace=False)]))
     return vertices_V2[keep], stress_V[keep]
+
+
+def elasticity_case(seed: int, split: int, index: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Case ``index`` of ``split`` as a solver writes it: ``(vertices [V, 2], triangles
+    [T, 3], von Mises stress [V] at every vertex, load)``, the unit cell of
+    :func:`elasticity_sample` (the same geometry) under a top traction of magnitude ``load``
+    drawn uniformly from ``LOAD_RANGE`` by its own stream ``default_rng([seed, split, index,
+    1])``. The stress is linear in the load, so a model that is not told the load cannot
+    know the stress's magnitude."""
+    _, triangle = _require_mesh_packages()
+    rng = np.random.default_rng([seed, split, index])
+    pslg, solid_area = _cell_outline(rng)
+    mesh = _mesh(pslg, solid_area, triangle)
+    load = float(np.random.default_rng([seed, split, index, 1]).uniform(*LOAD_RANGE))
+    vertices_V2, triangles_T3 = mesh["vertices"], mesh["triangles"]
+    return vertices_V2, triangles_T3, solve_unit_cell(vertices_V2, triangles_T3, load), load
+
+
+def write_case_vtu(path: str | Path, vertices_V2: np.ndarray, triangles_T3: np.ndarray,
+                   point_data: dict[str, np.ndarray], field_data: dict[str, float]) -> Path:
+    """A triangle mesh as a VTK XML unstructured grid (``z = 0``), written atomically,
+    with ``point_data`` arrays and ``field_data`` scalars."""
+    from flarepp.data.drivaerml import require_vtk
+    from flarepp.io import atomic_write
+    core, data_model, io_xml, numpy_support = require_vtk()
+    grid = data_model.vtkUnstructuredGrid()
+    points = core.vtkPoints()
+    points.SetData(numpy_support.numpy_to_vtk(
+        np.c_[vertices_V2, np.zeros(len(vertices_V2))].astype(np.float64), deep=True))
+    grid.SetPoints(points)
+    cells = data_model.vtkCellArray()
+    offsets = np.arange(0, 3 * len(triangles_T3) + 1, 3, dtype=np.int64)
+    cells.SetData(numpy_support.numpy_to_vtk(offsets, deep=True),
+                  numpy_support.numpy_to_vtk(triangles_T3.astype(np.int64).ravel(), deep=True))
+    grid.SetCells(5, cells)                                   # VTK_TRIANGLE
+    for name, values in point_data.items():
+        array = numpy_support.numpy_to_vtk(np.ascontiguousarray(values, np.float64), deep=True)
+        array.SetName(name)
+        grid.GetPointData().AddArray(array)
+    for name, value in field_data.items():
+        array = numpy_support.numpy_to_vtk(np.array([value], np.float64), deep=True)
+        array.SetName(name)
+        grid.GetFieldData().AddArray(array)
+
+    def write(tmp: Path) -> None:
+        writer = io_xml.vtkXMLUnstructuredGridWriter()
+        writer.SetFileName(str(tmp))
+        writer.SetInputData(grid)
+        if not writer.Write():
+            raise OSError(f"{path}: VTK could not write the file")
+    return atomic_write(path, write)
+
+
+def make_elasticity_mesh(out: str | Path, *, n_train: int = 64, n_test: int = 16,
+                         resolution: int | None = None, seed: int = 0, progress: bool = True,
+                         overwrite: bool = False) -> list[Path]:
+    """One VTU file per case, as a finite-element solver writes its output:
+    ``out/train/case_<i>.vtu`` and ``out/test/case_<i>.vtu``, each the whole triangle mesh
+    of a unit cell (:func:`elasticity_case`) with the point array ``von_mises`` and the
+    field data ``load`` (the traction's magnitude, a global condition). Convert with
+    ``flarepp data convert OUT --out STORE --targets von_mises --conditions load
+    --test-pattern 'test/*'`` (docs/data.md)."""
+    if resolution is not None:
+        raise ValueError(f"elasticity-mesh writes each case's whole mesh (about "
+                         f"{MESH_VERTICES} vertices); resolution {resolution} does not apply")
+    if n_train < 1 or n_test < 1 or seed < 0:
+        raise ValueError(f"elasticity-mesh needs train, test >= 1 and seed >= 0, got "
+                         f"train={n_train}, test={n_test}, seed={seed}")
+    _require_mesh_packages()
+    out = Path(out)
+    jobs = [("train", TRAIN_SPLIT, i) for i in range(n_train)] + \
+        [("test", TEST_SPLIT, i) for i in range(n_test)]
+    paths = [out / folder / f"case_{i:04d}.vtu" for folder, _, i in jobs]
+    refuse_existing(paths, overwrite)
+    for path, (_, split, index) in tqdm(list(zip(paths, jobs)), desc="elasticity-mesh",
+                                        unit="case", disable=not progress):
+        vertices, triangles, stress, load = elasticity_case(seed, split, index)
+        write_case_vtu(path, vertices, triangles, {"von_mises": stress}, {"load": load})
+    return paths
 
 
 def make_elasticity(out: str | Path, *, n_train: int = 1000, n_test: int = 200,

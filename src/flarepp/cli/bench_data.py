@@ -1,0 +1,83 @@
+"""``flarepp bench data``: conversion throughput and the loader's share of a training step.
+
+Adds ``data`` under the shared ``flarepp bench`` command (:mod:`flarepp.cli.bench`); the
+measurements are :mod:`flarepp.bench.data`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from flarepp.cli import at_least
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") \
+            from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts >= 0, got {text!r}")
+    return values
+
+
+def _bench_data(args: argparse.Namespace) -> int:
+    from flarepp.bench.data import conversion_throughput, loader_share
+    from flarepp.io import atomic_write_json
+    print(f"load average {os.getloadavg()}", flush=True)
+    result: dict = {}
+    if args.cases:
+        result["conversion"] = conversion_throughput(args.cases, args.cells)
+        for association, r in result["conversion"].items():
+            print(f"convert {r['cases']} VTU files, data at {association}s: {r['rows']} rows "
+                  f"in {r['seconds']:.2f} s = {r['rows_per_s']:,.0f} {association}s/s",
+                  flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = args.store
+        if store is None:
+            from flarepp.data.generators.laplace import make_laplace_store
+            store = Path(tmp) / "store"
+            make_laplace_store(store, n_train=args.samples, n_test=4, resolution=args.points,
+                               progress=False)
+        result["loader"] = []
+        for workers in args.workers:
+            r = loader_share(store, preset=args.preset, workers=workers, steps=args.steps,
+                             points_per_step=args.points_per_step)
+            result["loader"].append(r)
+            print(f"{args.preset}, {workers} loader worker(s): waiting for batches "
+                  f"{100 * r['loader_share']:.2f}% of step time over {r['steps']} steps "
+                  f"({r['wait_s']:.3f} s of {r['wait_s'] + r['step_s']:.3f} s; first batch "
+                  f"{r['first_wait_s']:.2f} s)", flush=True)
+    if args.json:
+        atomic_write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.bench import bench_subparsers
+    p = bench_subparsers(sub).add_parser(
+        "data", help="conversion throughput (rows/s) and the loader's share of step time",
+        description="Converts generated VTU files (cells/s, points/s), then trains steps of "
+                    "a store-backed fields task and reports the share of step time spent "
+                    "waiting for batches, per loader worker count.")
+    p.add_argument("--cases", type=at_least(0), default=8,
+                   help="VTU files to convert (0: skip the conversion)")
+    p.add_argument("--cells", type=at_least(6), default=50_000, help="tetrahedra per file")
+    p.add_argument("--store", help="a store to train on (default: a generated laplace-store "
+                                   "of --samples samples of --points points)")
+    p.add_argument("--samples", type=at_least(1), default=64)
+    p.add_argument("--points", type=at_least(2), default=972,
+                   help="points per generated sample (default 972, elasticity-tiny's)")
+    p.add_argument("--preset", default="store-tiny")
+    p.add_argument("--workers", type=_counts, default=[0, 2],
+                   help="loader worker counts, comma-separated (default 0,2)")
+    p.add_argument("--steps", type=at_least(1), default=40, help="timed steps per count")
+    p.add_argument("--points-per-step", type=at_least(1), default=None,
+                   help="train on random subsets of this many points per sample")
+    p.add_argument("--json", help="write the measurements here")
+    p.set_defaults(func=_bench_data)

@@ -1,0 +1,383 @@
+"""``flarepp data convert``: solver output files -> one store, as a pipeline of small stages.
+
+Shape letters: n rows of a sample (its points, or its cells), k channels of one array.
+
+* **Source** (:func:`find_cases`): the case files under a directory (or one file), each
+  read by the registered reader of its format (:data:`~flarepp.data.meshes.MESH_FORMATS`);
+  files of several formats in one directory are refused unless the spec's ``format`` or
+  ``pattern`` picks one. A case's name is its path under the source without the suffix
+  (an OpenFOAM case: its directory).
+* **Filters** (:func:`case_sample`): the rows (points, or cells with their centres,
+  normals and areas or volumes, :func:`~flarepp.data.meshes.cell_geometry`), the geometry
+  channels, the named arrays (renamed, times their unit scale), the per-case conditions
+  (field data or a table), each checked: present at the spec's association (an array
+  stored at the other is named as such), one row per point or cell, finite, a mesh that
+  is not empty or degenerate.
+* **Sink** (:class:`~flarepp.data.store.StoreWriter`): one sample folder per case,
+  written atomically, the manifest last.
+
+A killed conversion leaves finished samples (``meta.json`` written) and at worst one
+without ``meta.json``; running the same command again reads only the cases not finished
+(a finished case is recognised by its source file's size, time and sampled digest, no
+read of the mesh) and rewrites the unfinished one. Until the manifest is written, no
+reader takes the store.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from flarepp.data.base import DataError
+from flarepp.data.fingerprint import sampled_digest
+from flarepp.data.layout import ChannelGroup, ChannelLayout, channel_names
+from flarepp.data.meshes import MESH_FORMATS, cell_geometry, format_of, read_mesh
+from flarepp.data.spec import ArraySpec, ConversionSpec, SpecError
+from flarepp.data.store import MeshStore, StoreWriter
+
+GEOMETRY_SOURCE = {"coordinates": {"point": "point positions", "cell": "cell centres"},
+                   "normals": {"cell": "cell unit normals"}, "areas": {"cell": "cell areas"},
+                   "volumes": {"cell": "cell volumes"}}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case: its ``name`` in the store, its file and its format."""
+
+    name: str
+    path: Path
+    format: str
+
+    def files(self) -> list[Path]:
+        """The files its content is in: the file itself, and for an OpenFOAM case every
+        file of its directory, for EnSight the files named after the case."""
+        if self.format == "openfoam":
+            return sorted(p for p in self.path.parent.rglob("*") if p.is_file())
+        if self.format == "ensight":
+            stem = self.path.name.split(".")[0]
+            return sorted(p for p in self.path.parent.glob(f"{stem}.*") if p.is_file())
+        return [self.path]
+
+    def identity(self) -> dict[str, Any]:
+        """Size, time and sampled digest of every file (what a finished case is known by)."""
+        root = self.path.parent
+        out = []
+        for p in self.files():
+            stat = p.stat()
+            out.append([str(p.relative_to(root)), stat.st_size, stat.st_mtime_ns,
+                        sampled_digest(p)])
+        return {"case": str(self.path.resolve()), "files": out}
+
+
+def _case_name(path: Path, source: Path, fmt: str) -> str:
+    rel = path.relative_to(source)
+    if fmt == "openfoam" and rel.parent != Path("."):
+        return rel.parent.as_posix()
+    return rel.with_suffix("").as_posix()
+
+
+def find_cases(source: str | Path, spec: ConversionSpec) -> list[Case]:
+    """The cases under ``source`` (a directory, or one file), sorted by name."""
+    source = Path(source)
+    if not source.exists():
+        raise DataError(f"source {str(source)!r} does not exist")
+    if source.is_file():
+        fmt = spec.format or format_of(source)
+        if fmt is None:
+            raise DataError(f"{source}: no registered mesh format reads {source.suffix!r} "
+                            "files")
+        return [Case(source.stem, source, fmt)]
+    pattern = spec.pattern or "*"
+    files = [p for p in sorted(source.rglob(pattern)) if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(source).parts)
+             and format_of(p) is not None]
+    if spec.format is not None:
+        suffixes = MESH_FORMATS.get(spec.format).suffixes
+        files = [p for p in files if p.suffix.lower() in suffixes]
+    formats: dict[str, list[Path]] = {}
+    for p in files:
+        formats.setdefault(format_of(p), []).append(p)
+    if not files:
+        raise DataError(f"{source}: no mesh files" + (f" matching {pattern!r}" if spec.pattern
+                                                      else "")
+                        + (f" of format {spec.format!r}" if spec.format else "")
+                        + f" (readable suffixes: {', '.join(_suffixes())})")
+    if len(formats) > 1:
+        shown = "; ".join(f"{len(paths)} {fmt} ({paths[0].relative_to(source)})"
+                          for fmt, paths in sorted(formats.items()))
+        raise DataError(f"{source}: holds mesh files of several formats ({shown}); set the "
+                        "spec's format (--format) or pattern (--pattern) to pick one")
+    fmt = next(iter(formats))
+    cases = [Case(_case_name(p, source, fmt), p, fmt) for p in files]
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise DataError(f"{source}: two files give the case name "
+                        f"{next(n for n in names if names.count(n) > 1)!r}")
+    return cases
+
+
+def _suffixes() -> list[str]:
+    from flarepp.data.meshes import known_suffixes
+    return known_suffixes()
+
+
+# ---------------------------------------------------------------------------------------------
+# conditions from a table
+
+def read_condition_table(path: str | Path, names: list[str]) -> dict[str, dict[str, float]]:
+    """``{case: {condition: value}}`` from a CSV (a header row, the case in a column named
+    ``case``) or a JSON object ``{case: {condition: value}}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"condition table {str(path)!r} does not exist")
+    rows: dict[str, dict[str, Any]] = {}
+    if path.suffix.lower() == ".json":
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: not a JSON table of conditions ({err})") from None
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise DataError(f"{path}: a JSON condition table is an object {{case: {{name: "
+                            "value}}}}")
+        rows = {str(k): v for k, v in raw.items()}
+    else:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None or "case" not in reader.fieldnames:
+                raise DataError(f"{path}: a CSV condition table needs a header row with a "
+                                f"'case' column, got {reader.fieldnames}")
+            for line, row in enumerate(reader, start=2):
+                rows[row.pop("case")] = {k: v for k, v in row.items() if k is not None}
+    out: dict[str, dict[str, float]] = {}
+    for case, values in rows.items():
+        out[case] = {}
+        for name in names:
+            if name not in values or values[name] in (None, ""):
+                continue
+            try:
+                out[case][name] = float(values[name])
+            except (TypeError, ValueError):
+                raise DataError(f"{path}: condition {name!r} of case {case!r} is "
+                                f"{values[name]!r}, not a number") from None
+    return out
+
+
+def _table_row(table: dict[str, dict[str, float]], case: Case) -> dict[str, float] | None:
+    """The table's row for ``case``: by its name, else by its file's stem."""
+    if case.name in table:
+        return table[case.name]
+    stem = Path(case.name).name
+    return table.get(stem)
+
+
+# ---------------------------------------------------------------------------------------------
+# the filters
+
+@dataclass
+class CaseSample:
+    """What one case gives the store: arrays by group name, the layout they make, the
+    case's condition values."""
+
+    arrays: dict[str, np.ndarray]
+    layout: ChannelLayout
+    conditions: list[float]
+
+
+def _check_finite(values: np.ndarray, path: Path, what: str) -> None:
+    bad = ~np.isfinite(values)
+    if bad.any():
+        rows = np.flatnonzero(bad.reshape(len(values), -1).any(axis=1))
+        raise DataError(f"{path}: {what} holds NaN or inf at {len(rows)} row(s), first at row "
+                        f"{int(rows[0])}")
+
+
+def _data_array(mesh, path: Path, spec: ArraySpec, association: str, n: int) -> np.ndarray:
+    """Array ``spec.array`` at ``association`` as ``[n, k]`` float64, times its scale."""
+    here = mesh.point_data if association == "point" else mesh.cell_data
+    other = mesh.cell_data if association == "point" else mesh.point_data
+    if spec.array not in here.keys():
+        if spec.array in other.keys():
+            swap = "cell" if association == "point" else "point"
+            raise DataError(f"{path}: array {spec.array!r} is {swap} data, but the spec reads "
+                            f"{association} data (association = {association!r}); set "
+                            f"association = {swap!r}, or name a {association} array "
+                            f"({sorted(here.keys())})")
+        field_names = sorted(mesh.field_data.keys())
+        raise DataError(f"{path}: no array {spec.array!r}; its point arrays are "
+                        f"{sorted(mesh.point_data.keys())}, its cell arrays "
+                        f"{sorted(mesh.cell_data.keys())}"
+                        + (f", its field data {field_names}" if field_names else ""))
+    values = np.asarray(here[spec.array])
+    if values.dtype.kind not in "biuf":
+        raise DataError(f"{path}: array {spec.array!r} holds {values.dtype} values, not numbers")
+    if len(values) != n:
+        raise DataError(f"{path}: array {spec.array!r} has {len(values)} rows, but the "
+                        f"sample has {n} {association}s (the inputs and targets of a sample "
+                        "need one row per point or cell each)")
+    values = values.reshape(n, -1).astype(np.float64) * spec.scale
+    _check_finite(values, path, f"array {spec.array!r}")
+    return values
+
+
+def _conditions(mesh, case: Case, spec: ConversionSpec,
+                table: dict[str, dict[str, float]] | None) -> list[float]:
+    row = None if table is None else _table_row(table, case)
+    values = []
+    for cond in spec.conditions:
+        if row is not None and cond.array in row:
+            value = row[cond.array]
+        elif cond.array in mesh.field_data.keys():
+            raw = np.asarray(mesh.field_data[cond.array])
+            if raw.size != 1 or raw.dtype.kind not in "biuf":
+                raise DataError(f"{case.path}: field data {cond.array!r} holds "
+                                f"{raw.size} value(s) of {raw.dtype}, not one number")
+            value = float(raw.reshape(-1)[0])
+        else:
+            where = (f" nor in {spec.condition_table} (which has "
+                     f"{'no row' if row is None else 'no value'} for case {case.name!r})"
+                     if table is not None else "")
+            raise DataError(f"{case.path}: condition {cond.array!r} is missing: not in its "
+                            f"field data ({sorted(mesh.field_data.keys())}){where}")
+        value *= cond.scale
+        if not np.isfinite(value):
+            raise DataError(f"{case.path}: condition {cond.array!r} is {value}, not finite")
+        values.append(value)
+    return values
+
+
+def _dimensions(points: np.ndarray, spec: ConversionSpec, fixed: int | None, path: Path) -> int:
+    dims = spec.dimensions or fixed or (2 if np.all(points[:, 2] == 0) else 3)
+    if dims == 2 and np.any(points[:, 2] != 0):
+        raise DataError(f"{path}: the store keeps 2 coordinates, but this mesh has points with "
+                        f"z != 0 (up to {np.abs(points[:, 2]).max():.6g}); set dimensions = 3")
+    return dims
+
+
+def case_sample(mesh, case: Case, spec: ConversionSpec,
+                table: dict[str, dict[str, float]] | None, dimensions: int | None) -> CaseSample:
+    """The filters (module docstring) on one case's mesh; ``dimensions`` fixed by the cases
+    before it (None for the first)."""
+    path = case.path
+    points = np.asarray(mesh.points, np.float64)
+    _check_finite(points, path, "the point coordinates")
+    dims = _dimensions(points, spec, dimensions, path)
+    association = spec.association
+    arrays: dict[str, np.ndarray] = {}
+    if association == "point":
+        n = len(points)
+        extent = points.max(axis=0) - points.min(axis=0) if n else np.zeros(3)
+        if n < 2 or not (extent > 0).any():
+            raise DataError(f"{path}: degenerate mesh: its {n} point(s) all coincide")
+        geometry = {"coordinates": points[:, :dims]}
+    else:
+        cells = cell_geometry(mesh, path)
+        n = len(cells.measures)
+        geometry = {"coordinates": cells.centres[:, :dims], "normals": cells.normals,
+                    "areas": cells.measures[:, None] if cells.dimension == 2 else None,
+                    "volumes": cells.measures[:, None] if cells.dimension == 3 else None}
+    inputs, targets = [], []
+    for name in spec.geometry:
+        values = geometry.get(name)
+        if values is None:
+            dim = "3-D" if name in ("normals", "areas") else "2-D"
+            raise DataError(f"{path}: geometry {name!r} is not defined for its cells ("
+                            f"{dim} cells have none); remove it from geometry")
+        arrays[name] = values
+        inputs.append(ChannelGroup(name, tuple("xyz"[:values.shape[1]]) if name == "coordinates"
+                                   else channel_names(name, values.shape[1]),
+                                   GEOMETRY_SOURCE[name][association]))
+    for groups, specs in ((inputs, spec.inputs), (targets, spec.targets)):
+        for a in specs:
+            arrays[a.name] = _data_array(mesh, path, a, association, n)
+            groups.append(ChannelGroup(a.name, channel_names(a.name, arrays[a.name].shape[1]),
+                                       a.array, a.scale, a.units))
+    conditions = tuple(ChannelGroup(c.name, (c.name,), c.array, c.scale, c.units)
+                       for c in spec.conditions)
+    layout = ChannelLayout(tuple(inputs), tuple(targets), conditions, association,
+                           dims if spec.geometry[:1] == ("coordinates",) else 0, dims)
+    return CaseSample(arrays, layout, _conditions(mesh, case, spec, table))
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did: the ``store``, cases ``read`` and ``reused`` (finished by
+    an earlier, interrupted run), rows written, seconds spent."""
+
+    store: MeshStore
+    read: int
+    reused: int
+    rows: int
+    seconds: float
+
+
+def convert(source: str | Path, out: str | Path, spec: ConversionSpec, *,
+            overwrite: bool = False, progress: bool = True,
+            read: Callable[[Path, str], Any] = read_mesh) -> ConversionReport:
+    """Convert the cases under ``source`` into the store ``out`` (module docstring);
+    ``read(path, format)`` is the reader stage (default :func:`read_mesh`)."""
+    source = Path(source)
+    cases = find_cases(source, spec)
+    if not spec.targets and not spec.inputs and not spec.geometry:
+        raise SpecError("the spec names no inputs and no targets")
+    if spec.targets and not MESH_FORMATS.get(cases[0].format).arrays:
+        raise DataError(f"{cases[0].path}: {cases[0].format} files hold geometry only, no "
+                        f"arrays, so they give no targets {[t.array for t in spec.targets]} "
+                        "(convert them with targets = [] for prediction)")
+    table = None
+    if spec.condition_table is not None:
+        table_path = Path(spec.condition_table)
+        if not table_path.is_absolute():
+            table_path = (source if source.is_dir() else source.parent) / table_path
+        table = read_condition_table(table_path, [c.array for c in spec.conditions])
+    splits = spec.split.assign([c.name for c in cases])
+    writer = StoreWriter(out, {"spec": spec.to_dict(), "source": str(source.resolve())},
+                         overwrite=overwrite)
+    metas, layout, reused, rows = {}, None, 0, 0
+    started = time.perf_counter()
+    for case in tqdm(cases, desc="convert", unit="case", disable=not progress):
+        identity = case.identity()
+        meta = writer.finished(case.name, identity)
+        if meta is not None:
+            reused += 1
+            sample_layout = ChannelLayout.from_dict(meta["layout"])
+        else:
+            sample = case_sample(read(case.path, case.format), case, spec, table,
+                                 None if layout is None else layout.dimensions)
+            sample_layout = sample.layout
+            if layout is not None:
+                _same_layout(layout, sample_layout, case)
+            meta = writer.write(case.name, sample.arrays,
+                                {"source": identity, "layout": sample_layout.to_dict(),
+                                 "conditions": sample.conditions})
+            rows += meta["rows"]
+        if layout is None:
+            layout = sample_layout
+        _same_layout(layout, sample_layout, case)
+        metas[case.name] = meta
+    store = writer.finish(layout, splits, metas, {"source": str(source.resolve()),
+                                                  "spec": spec.to_dict()})
+    return ConversionReport(store, len(cases) - reused, reused, rows,
+                            time.perf_counter() - started)
+
+
+def _same_layout(first: ChannelLayout, this: ChannelLayout, case: Case) -> None:
+    a, b = first.to_dict(), this.to_dict()
+    for key in ("input_channels", "target_channels", "dimensions"):
+        if a[key] != b[key]:
+            raise DataError(f"{case.path}: its {key.replace('_', ' ')} {b[key]} differ from the "
+                            f"first case's {a[key]} (an array with another number of "
+                            "components?); every case of a store has the same channels")
+
+
+__all__ = ["Case", "CaseSample", "ConversionReport", "case_sample", "convert", "find_cases",
+           "read_condition_table"]

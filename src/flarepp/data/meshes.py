@@ -1,0 +1,378 @@
+"""Solver output files in: one registered reader per mesh format, and cell geometry.
+
+Shape letters: P points of a mesh, C its cells, T tetrahedra of a decomposition.
+
+Every reader turns a file into one pyvista dataset (an ``UnstructuredGrid`` or
+``PolyData``: points, cells, point data, cell data, field data) through a well-kept mesh
+library, pyvista over VTK or meshio, and says in a :class:`~flarepp.data.DataError` naming
+the file why it cannot (truncated, corrupt, empty); the conversion
+(:mod:`flarepp.data.convert`) takes it from there. :data:`MESH_FORMATS` lists the formats,
+each tested on a file of that format written in the tests by the library's own writers
+(OpenFOAM: a hand-written ASCII case); formats no writer here can produce (CGNS, Exodus II,
+Fluent) are not registered.
+
+Cell geometry (:func:`cell_geometry`), for data at cells:
+
+* **2-D cells** (triangles, quads, polygons, pixels) as the DrivAerML reader computes them
+  (:func:`flarepp.data.drivaerml.polygon_centres_and_normals`): the fan area vector ``a``,
+  unit normal ``a / |a|``, area ``|a|`` and centre the area-weighted centroid of the fan
+  triangles.
+* **3-D cells** (any VTK volume cell) split into tetrahedra by VTK
+  (``vtkDataSetTriangleFilter``): volume ``V = sum_t |det(b - a, c - a, d - a)| / 6`` and
+  centre the volume-weighted centroid ``sum_t V_t (a + b + c + d) / 4 / V`` (exact for a
+  polyhedron with planar faces).
+
+Reading needs ``pip install 'flarepp[mesh-io]'`` (pyvista and meshio; VTK comes with
+pyvista).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from flarepp.data.base import DataError
+from flarepp.registry import Registry
+
+MESH_IO_HINT = "pip install 'flarepp[mesh-io]'"
+CHUNK_CELLS = 1 << 20
+
+
+def _require(module: str):
+    """``module`` imported, or a sentence saying which extra to install."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(f"reading mesh files needs {module} ({err.name} is "
+                                  f"missing): {MESH_IO_HINT}") from err
+
+
+def require_pyvista():
+    return _require("pyvista")
+
+
+def require_meshio():
+    return _require("meshio")
+
+
+@dataclass(frozen=True)
+class MeshFormat:
+    """A registered format: its ``suffixes`` (a case directory's ``.foam`` file for
+    OpenFOAM), the ``library`` that reads it, whether its files carry data ``arrays``
+    (STL holds geometry only) and ``read(path) -> pyvista dataset``."""
+
+    name: str
+    suffixes: tuple[str, ...]
+    library: str
+    arrays: bool
+    read: Callable[[Path], Any]
+    marker: bool = False      # the file only marks a case directory (may be empty)
+
+
+MESH_FORMATS: Registry = Registry("mesh format")
+
+
+def register_format(name: str, suffixes: tuple[str, ...], library: str, *, arrays: bool = True,
+                    marker: bool = False, doc: str = "") -> Callable:
+    def wrap(read: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        MESH_FORMATS.add(name, MeshFormat(name, suffixes, library, arrays, read, marker),
+                         doc=doc)
+        return read
+    return wrap
+
+
+def format_of(path: str | Path) -> str | None:
+    """The registered format whose suffix ``path`` has (case-insensitive), or None."""
+    suffix = Path(path).suffix.lower()
+    for name in MESH_FORMATS.names():
+        if suffix in MESH_FORMATS.get(name).suffixes:
+            return name
+    return None
+
+
+def known_suffixes() -> list[str]:
+    return sorted({s for n in MESH_FORMATS.names() for s in MESH_FORMATS.get(n).suffixes})
+
+
+def read_mesh(path: str | Path, fmt: str | None = None):
+    """``path`` as one pyvista dataset with at least one point (``fmt``: a registered
+    format, default the one of its suffix); :class:`DataError` naming the file otherwise."""
+    path = Path(path)
+    fmt = fmt or format_of(path)
+    if fmt is None:
+        raise DataError(f"{path}: no registered mesh format reads {path.suffix!r} files "
+                        f"(known: {', '.join(known_suffixes())})")
+    if not path.exists():
+        raise DataError(f"{path}: the mesh file is missing")
+    entry = MESH_FORMATS.get(fmt)
+    if not entry.marker and path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes)")
+    mesh = _single(entry.read(path), path)
+    if mesh.n_points == 0:
+        raise DataError(f"{path}: the mesh has no points (an empty or truncated {fmt} file)")
+    return mesh
+
+
+def _single(dataset, path: Path):
+    """A multi-block result (OpenFOAM regions, EnSight parts) as one dataset."""
+    pv = require_pyvista()
+    if isinstance(dataset, pv.MultiBlock):
+        blocks = [b for b in dataset.recursive_iterator() if b is not None and b.n_points]
+        if not blocks:
+            raise DataError(f"{path}: the file holds no mesh (no block with points)")
+        if len(blocks) == 1:
+            return blocks[0]
+        merged = pv.merge(blocks, merge_points=False)
+        return merged
+    return dataset
+
+
+class _Collect(logging.Handler):
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"ERROR: {record.getMessage()}" if record.levelno >= logging.ERROR
+                             else record.getMessage())
+
+
+@contextlib.contextmanager
+def _captured_pyvista_log(messages: list[str]):
+    """pyvista's observer on its readers reports VTK errors through the root logger (not
+    VTK's output window): collect them instead of printing."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = [_Collect(messages)]
+    root.setLevel(logging.WARNING)
+    try:
+        yield messages
+    finally:
+        root.handlers, root.level = handlers, level
+
+
+def _vtk_read(path: Path, make_reader: Callable[[], Any] | None = None):
+    """``make_reader().read()`` (default ``pyvista.read``) with VTK's messages captured
+    (the reader's set-up parses files too): any error is a :class:`DataError` naming the
+    file (VTK reports a truncated file in its log and returns what it could read)."""
+    from flarepp.data.drivaerml import captured_vtk_messages
+    pv = require_pyvista()
+    logged: list[str] = []
+    try:
+        with captured_vtk_messages() as messages, _captured_pyvista_log(logged), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mesh = pv.read(path) if make_reader is None else make_reader().read()
+    except Exception as err:   # pyvista raises its own and VTK's types: all mean unreadable
+        text = str(err).strip()
+        raise DataError(f"{path}: unreadable or truncated file ({type(err).__name__}: "
+                        f"{text.splitlines()[-1] if text else err})") from None
+    errors = [m for m in messages + logged if m.startswith("ERROR") or "Error" in m]
+    if errors:
+        detail = " ".join(errors[0].split("\n")[1:]).strip() or errors[0]
+        raise DataError(f"{path}: unreadable or truncated file ({detail[:200]})")
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------
+# the formats
+
+@register_format("vtu", (".vtu",), "pyvista", doc="VTK XML unstructured grid")
+@register_format("vtp", (".vtp",), "pyvista", doc="VTK XML polygonal data (surfaces)")
+@register_format("vtk", (".vtk",), "pyvista", doc="VTK legacy file")
+@register_format("vtkhdf", (".vtkhdf",), "pyvista", doc="VTKHDF (HDF5) file")
+def read_vtk(path: Path):
+    return _vtk_read(path)
+
+
+@register_format("stl", (".stl",), "pyvista", arrays=False,
+                 doc="STL surface (geometry only: no data arrays)")
+def read_stl(path: Path):
+    return _vtk_read(path)
+
+
+@register_format("ensight", (".case",), "pyvista", doc="EnSight Gold case (all parts merged)")
+def read_ensight(path: Path):
+    pv = require_pyvista()
+    return _vtk_read(path, lambda: pv.get_reader(str(path)))
+
+
+@register_format("openfoam", (".foam",), "pyvista", marker=True,
+                 doc="OpenFOAM case (its .foam file): the internal mesh at the latest time, "
+                     "cell fields as cell data")
+def read_openfoam(path: Path):
+    pv = require_pyvista()
+
+    def reader():
+        made = pv.POpenFOAMReader(str(path))
+        made.cell_to_point_creation = False   # cell fields stay cell data
+        if made.time_values:
+            made.set_active_time_value(made.time_values[-1])
+        made.enable_all_cell_arrays()
+        return made
+
+    blocks = _vtk_read(path, reader)
+    internal = blocks["internalMesh"] if "internalMesh" in blocks.keys() else None
+    if internal is None or internal.n_cells == 0:
+        raise DataError(f"{path}: the OpenFOAM case has no internal mesh (constant/polyMesh "
+                        "missing, empty or truncated)")
+    return internal
+
+
+def _meshio_read(path: Path):
+    meshio = require_meshio()
+    pv = require_pyvista()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mesh = meshio.read(path)
+    except Exception as err:   # meshio raises ReadError, ValueError, KeyError, h5py's...
+        raise DataError(f"{path}: unreadable, truncated or inconsistent file "
+                        f"({type(err).__name__}: {err})") from None
+    return pv.from_meshio(mesh)
+
+
+@register_format("gmsh", (".msh",), "meshio", doc="Gmsh mesh (.msh)")
+def read_gmsh(path: Path):
+    # meshio loops forever on a Gmsh file cut short; a complete one ends with an $End line
+    with open(path, "rb") as f:
+        f.seek(max(path.stat().st_size - 64, 0))
+        tail = f.read().rstrip().rsplit(b"\n", 1)[-1]
+    if not tail.strip().startswith(b"$End"):
+        raise DataError(f"{path}: truncated Gmsh file (it does not end with an $End... "
+                        "section line)")
+    return _meshio_read(path)
+
+
+@register_format("xdmf", (".xdmf",), "meshio", doc="XDMF (with its HDF5 heavy data)")
+def read_xdmf(path: Path):
+    return _meshio_read(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# cell geometry
+
+POLYGON_TYPES = {5: None, 7: None, 9: None, 8: np.array([0, 1, 3, 2])}
+"""VTK cell types read as polygons (triangle, polygon, quad; a pixel with its vertex order
+turned into a polygon's)."""
+
+
+def _cell_dimension(cell_type: int) -> int:
+    from vtkmodules import vtkCommonDataModel as dm
+    utilities = getattr(dm, "vtkCellTypeUtilities", None) or dm.vtkCellTypes
+    return int(utilities.GetDimension(int(cell_type)))
+
+
+def _cell_type_name(cell_type: int) -> str:
+    from vtkmodules import vtkCommonDataModel as dm
+    utilities = getattr(dm, "vtkCellTypeUtilities", None) or dm.vtkCellTypes
+    return str(utilities.GetClassNameFromTypeId(int(cell_type)))
+
+
+def cell_arrays(mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(cell types [C], offsets [C + 1], connectivity)`` of any pyvista dataset."""
+    from vtkmodules.util.numpy_support import vtk_to_numpy
+    grid = mesh.cast_to_unstructured_grid()
+    cells = grid.GetCells()
+    return (np.asarray(grid.celltypes).astype(np.int64),
+            vtk_to_numpy(cells.GetOffsetsArray()).astype(np.int64),
+            vtk_to_numpy(cells.GetConnectivityArray()).astype(np.int64))
+
+
+def cell_dimension(mesh, path: Path | str) -> int:
+    """The dimension (1, 2, 3) every cell of ``mesh`` has; cells of several dimensions (a
+    volume mesh with boundary faces, a surface with edges) raise, naming the counts."""
+    types = cell_arrays(mesh)[0]
+    if len(types) == 0:
+        raise DataError(f"{path}: the mesh has no cells (empty or truncated)")
+    dims: dict[int, int] = {}
+    for t, count in zip(*np.unique(types, return_counts=True)):
+        dims[_cell_dimension(t)] = dims.get(_cell_dimension(t), 0) + int(count)
+    if len(dims) > 1:
+        shown = ", ".join(f"{n} of dimension {d}" for d, n in sorted(dims.items()))
+        raise DataError(f"{path}: its cells have several dimensions ({shown}); data at cells "
+                        "needs cells of one dimension (extract the volume or the surface)")
+    return next(iter(dims))
+
+
+@dataclass
+class CellGeometry:
+    """Per cell: ``centres [C, 3]``, unit ``normals [C, 3]`` (2-D cells, else None) and
+    ``measures [C]`` (areas of 2-D cells, volumes of 3-D cells), float64."""
+
+    dimension: int
+    centres: np.ndarray
+    normals: np.ndarray | None
+    measures: np.ndarray
+
+
+def cell_geometry(mesh, path: Path | str) -> CellGeometry:
+    """Centres, normals and areas (2-D cells) or centres and volumes (3-D cells) of every
+    cell (module docstring); a degenerate cell (zero area or volume) raises, naming it."""
+    from flarepp.data.drivaerml import polygon_centres_and_normals
+    dimension = cell_dimension(mesh, path)
+    points = np.asarray(mesh.points, np.float64)
+    if dimension == 2:
+        types, offsets, connectivity = cell_arrays(mesh)
+        unknown = sorted(set(types.tolist()) - set(POLYGON_TYPES))
+        if unknown:
+            raise DataError(f"{path}: 2-D cells of type {_cell_type_name(unknown[0])} are not "
+                            "read at cells (triangles, quads, polygons and pixels are)")
+        pixels = np.flatnonzero(types == 8)
+        if len(pixels):
+            connectivity = connectivity.copy()
+            index = offsets[pixels, None] + POLYGON_TYPES[8]
+            connectivity[offsets[pixels, None] + np.arange(4)] = connectivity[index]
+        n = len(types)
+        centres, normals, areas = np.empty((n, 3)), np.empty((n, 3)), np.empty(n)
+        for start in range(0, n, CHUNK_CELLS):
+            stop = min(start + CHUNK_CELLS, n)
+            try:
+                centres[start:stop], normals[start:stop], areas[start:stop] = \
+                    polygon_centres_and_normals(points, offsets, connectivity, start, stop)
+            except ValueError as err:
+                raise DataError(f"{path}: {err}") from None
+        return CellGeometry(2, centres, normals, areas)
+    if dimension == 3:
+        return _volume_geometry(mesh, points, path)
+    raise DataError(f"{path}: its cells are {dimension}-D (vertices or lines); data at "
+                    "cells needs surface (2-D) or volume (3-D) cells")
+
+
+def _volume_geometry(mesh, points: np.ndarray, path: Path | str) -> CellGeometry:
+    from vtkmodules.vtkFiltersGeneral import vtkDataSetTriangleFilter
+    from vtkmodules.util.numpy_support import numpy_to_vtk, vtk_to_numpy
+    pv = require_pyvista()
+    grid = mesh.cast_to_unstructured_grid().copy(deep=False)
+    grid.clear_data()
+    ids = numpy_to_vtk(np.arange(grid.n_cells, dtype=np.int64), deep=True)
+    ids.SetName("flarepp_cell")
+    grid.GetCellData().AddArray(ids)
+    split = vtkDataSetTriangleFilter()
+    split.SetInputData(grid)
+    split.Update()
+    tets = pv.wrap(split.GetOutput())
+    owner = np.asarray(tets.cell_data["flarepp_cell"], np.int64)
+    corners = vtk_to_numpy(tets.GetCells().GetConnectivityArray()).reshape(-1, 4)
+    v_T43 = np.asarray(tets.points, np.float64)[corners]
+    volume_T = np.abs(np.linalg.det(v_T43[:, 1:] - v_T43[:, :1])) / 6.0
+    n = grid.n_cells
+    volumes = np.bincount(owner, volume_T, n)
+    centres = np.stack([np.bincount(owner, volume_T * v_T43[:, :, k].mean(1), n)
+                        for k in range(3)], axis=1)
+    if not (volumes > 0).all():
+        bad = int(np.flatnonzero(~(volumes > 0))[0])
+        raise DataError(f"{path}: cell {bad} has zero volume (degenerate), "
+                        f"{int((~(volumes > 0)).sum())} such cell(s)")
+    return CellGeometry(3, centres / volumes[:, None], None, volumes)
+
+
+__all__ = ["CellGeometry", "MESH_FORMATS", "MeshFormat", "cell_dimension", "cell_geometry",
+           "format_of", "known_suffixes", "read_mesh", "register_format"]

@@ -1,0 +1,381 @@
+"""`flarepp data convert` and the store: the spec, the splits, conditions, every bad input of
+issue 30 as one sentence naming the file, array or key (exit 1 runtime, 2 usage), atomic
+samples, a killed conversion resumed, a store edited after conversion."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyvista")
+pytest.importorskip("meshio")
+
+from flarepp.cli import main  # noqa: E402
+from flarepp.data import DataError, load_dataset  # noqa: E402
+from flarepp.data.convert import convert  # noqa: E402
+from flarepp.data.meshes import read_mesh  # noqa: E402
+from flarepp.data.spec import SpecError, load_spec, parse_spec  # noqa: E402
+from flarepp.data.store import MeshStore  # noqa: E402
+from flarepp.io import is_temporary  # noqa: E402
+from mesh_files import point_field, volume_mesh, write_gmsh, write_vtu  # noqa: E402
+
+
+def cases(folder, n=4, seed=0, **arrays):
+    """``n`` VTU cases ``case_<i>.vtu``; ``arrays`` name -> fn(mesh, i) added as point data."""
+    for i in range(n):
+        mesh = volume_mesh(seed + i, n=2)
+        for name, fn in arrays.items():
+            mesh.point_data[name] = fn(mesh, i)
+        folder.mkdir(parents=True, exist_ok=True)
+        mesh.save(folder / f"case_{i}.vtu")
+    return folder
+
+
+def run(argv, capsys):
+    capsys.readouterr()                  # what the test printed before (a writer's warning)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def convert_argv(source, out, *extra):
+    return ["data", "convert", str(source), "--out", str(out), "--quiet", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# the spec
+
+def test_spec_file_and_flags_and_every_key_checked(tmp_path):
+    """A TOML spec with arrays as names or tables (renamed, scaled, with units), flags over
+    it; an unknown key at the top, in an array table or in the split is refused naming
+    it. A failure points to a key read silently or a flag that does not win."""
+    path = tmp_path / "spec.toml"
+    path.write_text(textwrap.dedent("""
+        # a comment: why TOML
+        association = "cell"
+        geometry = ["coordinates", "volumes"]
+        targets = [{array = "p", name = "pressure", scale = 1e-3, units = "kPa"}, "U"]
+        conditions = ["load"]
+        [split]
+        test = "case_3"
+    """))
+    spec = load_spec(path, {"conditions": ["speed"], "split": None})
+    assert spec.association == "cell" and spec.geometry == ("coordinates", "volumes")
+    assert [(t.array, t.name, t.scale, t.units) for t in spec.targets] == [
+        ("p", "pressure", 1e-3, "kPa"), ("U", "U", 1.0, "")]
+    assert [c.name for c in spec.conditions] == ["speed"] and spec.split.test == "case_3"
+    for text, named in (('targest = ["p"]', "targest"),
+                        ('targets = [{array = "p", unit = "Pa"}]', "unit"),
+                        ('targets = ["p"]\n[split]\ntest_fractio = 0.2', "test_fractio")):
+        path.write_text(text)
+        with pytest.raises(SpecError, match=f"unknown .*'{named}'"):
+            load_spec(path)
+    with pytest.raises(SpecError, match="geometry .*normals.* association = 'cell'"):
+        parse_spec({"targets": ["p"], "geometry": ["coordinates", "normals"]})
+
+
+def test_an_unknown_spec_key_is_a_usage_error(tmp_path, capsys):
+    """From the command line: exit 2, one sentence naming the spec file and the key."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    spec = tmp_path / "spec.toml"
+    spec.write_text('targets = ["T"]\nassociaton = "point"\n')
+    code, _, err = run(convert_argv(source, tmp_path / "store", "--spec", str(spec)), capsys)
+    assert code == 2 and str(spec) in err and "'associaton'" in err and "Traceback" not in err
+
+
+def test_splits_by_glob_and_by_a_fixed_seed_fraction(tmp_path):
+    """``split.test`` (and ``val``) globs pick cases by name; ``test_fraction`` draws a
+    fixed-seed share, the same on every conversion and not the last cases of the sort."""
+    spec = parse_spec({"targets": [], "split": {"test": "t*", "val": "v*"}})
+    assert spec.split.assign(["a", "t1", "v1", "b"]) == {"train": ["a", "b"], "test": ["t1"],
+                                                         "val": ["v1"]}
+    names = [f"case_{i:02d}" for i in range(20)]
+    split = parse_spec({"targets": [], "split": {"test_fraction": 0.25}}).split.assign(names)
+    assert len(split["test"]) == 5 and split["test"] != names[-5:]
+    assert split == parse_spec({"targets": [], "split": {"test_fraction": 0.25}}
+                               ).split.assign(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion and the store
+
+def test_convert_then_check_describes_the_store(tmp_path, capsys):
+    """`data convert` writes a store whose manifest records, per sample, its source and
+    rows, and for the store the channel layout (inputs with the leading coordinate
+    channels, targets with their scale and units, conditions); `data check` describes it.
+    A failure points to a layout a predictor could not assemble inputs from."""
+    source = cases(tmp_path / "src", 4, T=lambda m, i: point_field(m.points),
+                   V=lambda m, i: np.c_[m.points[:, :2], m.points[:, :1] * 0 + i])
+    spec = tmp_path / "spec.toml"
+    spec.write_text('inputs = ["V"]\ntargets = [{array = "T", name = "temperature", scale = 2.0,'
+                    ' units = "K"}]\nconditions = ["load"]\n[split]\ntest = "case_3"\n')
+    code, out, _ = run(convert_argv(source, tmp_path / "store", "--spec", str(spec)), capsys)
+    assert code == 0 and "converted 4 case(s)" in out
+    store = MeshStore(tmp_path / "store")
+    layout = store.layout
+    assert layout.input_channels == ["x", "y", "z", "V_x", "V_y", "V_z"]
+    assert layout.coordinates == 3 and layout.association == "point"
+    assert layout.target_channels == ["temperature"] and layout.targets[0].scale == 2.0
+    assert layout.targets[0].units == "K" and layout.condition_names == ["load"]
+    assert store.splits == {"train": ["case_0", "case_1", "case_2"], "test": ["case_3"]}
+    entry = store.samples["case_2"]
+    assert entry["source"]["case"] == str((source / "case_2.vtu").resolve())
+    assert entry["conditions"] == [3.5]
+    x, y = store.split("train").sample(2)
+    np.testing.assert_allclose(y[:, 0], 2 * point_field(x[:, :3].astype(float)), rtol=1e-6)
+    code, out, _ = run(["data", "check", str(tmp_path / "store"), "--verify"], capsys)
+    assert code == 0 and "targets: temperature ['temperature'] [K] x2 from T" in out
+    assert "every byte compared" in out
+
+
+def test_conditions_from_a_table_by_case_name_or_stem(tmp_path):
+    """A CSV table keyed by case (here by the file's stem) gives each case its conditions,
+    over the files' field data; a JSON table alike."""
+    source = cases(tmp_path / "src", 3, T=lambda m, i: point_field(m.points))
+    (source / "table.csv").write_text("case,load,speed\ncase_0,10,1\ncase_1,11,2\ncase_2,12,3\n")
+    spec = parse_spec({"targets": ["T"], "conditions": ["load", "speed"],
+                       "condition_table": "table.csv", "split": {"test": "case_2"}})
+    store = convert(source, tmp_path / "store", spec, progress=False).store
+    assert [store.samples[f"case_{i}"]["conditions"] for i in range(3)] == [
+        [10.0, 1.0], [11.0, 2.0], [12.0, 3.0]]
+    (source / "table.json").write_text('{"case_0": {"speed": 5}, "case_1": {"speed": 6},'
+                                       ' "case_2": {"speed": 7}}')
+    spec = parse_spec({"targets": ["T"], "conditions": ["speed"],
+                       "condition_table": "table.json"})
+    store = convert(source, tmp_path / "store2", spec, progress=False).store
+    assert store.samples["case_1"]["conditions"] == [6.0]
+
+
+def test_streaming_statistics_equal_the_in_memory_fit(tmp_path, monkeypatch):
+    """The store's statistics, streamed sample by sample in chunks of 7 rows (float64,
+    Chan et al.'s pairwise update), equal the whole-array fit of the same values (and
+    Normalizer.fit) to 1e-10 relative, with a large offset in the data. A failure points
+    to a merge error or a chunk left out."""
+    from flarepp.data import ChannelStatistics, Normalizer
+    from flarepp.data import store as store_module
+    source = cases(tmp_path / "src", 5, T=lambda m, i: 1e4 + point_field(m.points) * (i + 1))
+    store = convert(source, tmp_path / "store", parse_spec({"targets": ["T"]}),
+                    progress=False).store
+    samples = store.split("train")
+    monkeypatch.setattr(store_module, "CHUNK_ROWS", 7)
+    streamed = samples.fit_statistics()
+    xs, ys = zip(*(samples.sample(i) for i in range(len(samples))))
+    for got, arrays in ((streamed.x, xs), (streamed.y, ys)):
+        whole = ChannelStatistics.of_array(np.concatenate(arrays)[None])
+        assert got.count == whole.count
+        for key in ("mean", "std", "low", "high"):
+            np.testing.assert_allclose(getattr(got, key), getattr(whole, key), rtol=1e-10)
+    fitted = Normalizer.fit(np.concatenate(ys)[None])
+    np.testing.assert_allclose(Normalizer.from_statistics(streamed.y).std, fitted.std,
+                               rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: a sentence naming the file, array or key; exit 1 (runtime) or 2 (usage)
+
+def _fails(argv, capsys, *named, code=1):
+    got, _, err = run(argv, capsys)
+    assert got == code, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    for text in named:
+        assert text in err, err
+    return err
+
+
+def test_a_file_without_the_named_array(tmp_path, capsys):
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "pressure"), capsys,
+           str(source / "case_0.vtu"), "no array 'pressure'", "'T'")
+
+
+def test_point_and_cell_data_mixed_up(tmp_path, capsys):
+    source = cases(tmp_path / "src", 2)
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "p"), capsys,
+           "case_0.vtu", "array 'p' is cell data", "association = 'cell'")
+
+
+def test_inputs_and_targets_with_different_point_counts(tmp_path, capsys):
+    """An XDMF case whose target T has 5 values on a mesh of 4 points."""
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "case.xdmf").write_text(textwrap.dedent("""\
+        <?xml version="1.0"?>
+        <Xdmf Version="3.0"><Domain><Grid Name="mesh" GridType="Uniform">
+        <Topology TopologyType="Triangle" NumberOfElements="2">
+        <DataItem Dimensions="2 3" NumberType="Int" Format="XML">0 1 2 1 3 2</DataItem></Topology>
+        <Geometry GeometryType="XYZ"><DataItem Dimensions="4 3" NumberType="Float"
+         Precision="8" Format="XML">0 0 0 1 0 0 0 1 0 1 1 0</DataItem></Geometry>
+        <Attribute Name="T" AttributeType="Scalar" Center="Node"><DataItem Dimensions="5"
+         NumberType="Float" Precision="8" Format="XML">1 2 3 4 5</DataItem></Attribute>
+        </Grid></Domain></Xdmf>
+        """))
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T"), capsys,
+           str(source / "case.xdmf"), 'len(points) = 4, but len(point_data["T"]) = 5')
+
+
+def test_nan_or_inf_values(tmp_path, capsys):
+    def with_nan(mesh, i):
+        values = point_field(mesh.points)
+        values[3] = np.inf if i else np.nan
+        return values
+    source = cases(tmp_path / "src", 2, T=with_nan)
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T"), capsys,
+           "case_0.vtu", "array 'T' holds NaN or inf at 1 row(s), first at row 3")
+
+
+def test_an_empty_or_degenerate_mesh(tmp_path, capsys):
+    """No points; every point at one place; a cell of zero area."""
+    import pyvista as pv
+    source = tmp_path / "empty"
+    source.mkdir()
+    pv.UnstructuredGrid().save(source / "case.vtu")
+    _fails(convert_argv(source, tmp_path / "s1", "--targets", "T"), capsys,
+           "case.vtu", "no points")
+    point = tmp_path / "point"
+    point.mkdir()
+    mesh = pv.PolyData(np.zeros((3, 3)))
+    mesh.point_data["T"] = np.ones(3)
+    mesh.save(point / "case.vtp")
+    _fails(convert_argv(point, tmp_path / "s2", "--targets", "T"), capsys,
+           "case.vtp", "degenerate mesh", "coincide")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    tri = pv.PolyData(np.array([[0, 0, 0], [1, 0, 0], [2, 0, 0], [0, 1, 0.]]),
+                      faces=[3, 0, 1, 3, 3, 0, 1, 2])
+    tri.cell_data["p"] = np.ones(2)
+    tri.save(flat / "case.vtp")
+    _fails(convert_argv(flat, tmp_path / "s3", "--targets", "p", "--association", "cell"),
+           capsys, "case.vtp", "cell 1 has zero area")
+
+
+def test_mixed_formats_in_one_directory(tmp_path, capsys):
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    write_gmsh(source, "other", 0)
+    err = _fails(convert_argv(source, tmp_path / "s", "--targets", "T"), capsys,
+                 str(source), "several formats", "gmsh (other.msh)", "vtu (case_0.vtu)")
+    assert "--format" in err
+    code, _, _ = run(convert_argv(source, tmp_path / "s", "--targets", "T", "--format", "vtu"),
+                     capsys)
+    assert code == 0
+
+
+def test_a_truncated_file(tmp_path, capsys):
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    raw = (source / "case_1.vtu").read_bytes()
+    (source / "case_1.vtu").write_bytes(raw[: len(raw) // 2])
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T"), capsys,
+           str(source / "case_1.vtu"), "unreadable or truncated")
+
+
+def test_a_condition_missing_for_a_case(tmp_path, capsys):
+    """Missing from a table row (names the case, the key and the table) or from a file's
+    field data (names the file and its field data)."""
+    source = cases(tmp_path / "src", 3, T=lambda m, i: point_field(m.points))
+    (source / "table.csv").write_text("case,speed\ncase_0,1\ncase_2,3\n")
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T", "--conditions", "speed",
+                        "--condition-table", "table.csv"), capsys,
+           "case_1.vtu", "condition 'speed' is missing", "no row for case 'case_1'")
+    _fails(convert_argv(source, tmp_path / "s2", "--targets", "T", "--conditions", "Re"),
+           capsys, "case_0.vtu", "condition 'Re' is missing", "['load']")
+
+
+def test_a_store_edited_after_conversion(tmp_path, capsys):
+    """An array rewritten with other values (a new modification time) is refused when the
+    store is opened for training, naming the file; an edit that kept the size and time is
+    seen by `data check --verify` (every byte); a store converted again from changed
+    sources has another fingerprint, so `--resume` refuses it."""
+    source = cases(tmp_path / "src", 3, T=lambda m, i: point_field(m.points))
+    spec = parse_spec({"targets": ["T"], "split": {"test": "case_2"}})
+    store = convert(source, tmp_path / "store", spec, progress=False).store
+    before = store.split("train").fingerprint(tmp_path / "store")
+    array = tmp_path / "store" / "case_1" / "T.npy"
+    stat = array.stat()
+    values = np.load(array)
+    np.save(array, values * 2)
+    with pytest.raises(DataError, match=r"case_1/T.npy holds other bytes: the store was "
+                                        "changed after conversion"):
+        load_dataset("store", tmp_path / "store")
+    os.utime(array, ns=(stat.st_atime_ns, stat.st_mtime_ns))   # time restored too
+    load_dataset("store", tmp_path / "store")                     # the quick check passes
+    _fails(["data", "check", str(tmp_path / "store"), "--verify"], capsys,
+           "case_1/T.npy holds other bytes")
+    np.save(array, values)
+    mesh = volume_mesh(1, n=2)
+    mesh.point_data["T"] = point_field(mesh.points) + 1
+    mesh.save(source / "case_1.vtu")
+    again = convert(source, tmp_path / "store", spec, progress=False)
+    assert (again.read, again.reused) == (1, 2)
+    after = again.store.split("train").fingerprint(tmp_path / "store")
+    assert after["sha256"] != before["sha256"]
+
+
+def test_another_spec_on_an_existing_store_is_refused(tmp_path, capsys):
+    """Converting with another spec into an existing store would mix two layouts: refused
+    naming what differs, unless --overwrite (which replaces it)."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    assert run(convert_argv(source, tmp_path / "s", "--targets", "T"), capsys)[0] == 0
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T", "--conditions", "load"),
+           capsys, "holds a store made otherwise", "['spec']", "--overwrite")
+    assert run(convert_argv(source, tmp_path / "s", "--targets", "T", "--conditions", "load",
+                            "--overwrite"), capsys)[0] == 0
+    assert MeshStore(tmp_path / "s").layout.condition_names == ["load"]
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic samples, a killed conversion resumed
+
+@pytest.mark.slow
+def test_a_killed_conversion_resumes_without_rereading_finished_cases(tmp_path):
+    """SIGKILL in the middle of a conversion: no reader takes the unfinished store; the
+    same conversion again reads only the cases without a finished sample (none read twice)
+    and gives the store a conversion without a kill gives, with no temporary left. A
+    failure points to a half-written sample counted as done, or finished ones read again."""
+    source = cases(tmp_path / "src", 24, T=lambda m, i: point_field(m.points) * (i + 1))
+    out = tmp_path / "store"
+    spec = {"targets": ["T"], "split": {"test": "case_2*"}}
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from flarepp.data.convert import convert
+        from flarepp.data.meshes import read_mesh
+        from flarepp.data.spec import parse_spec
+        def slow(path, fmt):
+            time.sleep(0.25)
+            return read_mesh(path, fmt)
+        convert({str(source)!r}, {str(out)!r}, parse_spec({spec!r}), progress=False, read=slow)
+    """)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while len(list(out.glob("*/meta.json"))) < 5 and time.time() < deadline:
+            assert child.poll() is None, "the conversion ended before it was killed"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    finished = len(list(out.glob("*/meta.json")))
+    assert 5 <= finished < 24
+    with pytest.raises(DataError, match="the store is unfinished"):
+        load_dataset("store", out)
+    reads = []
+
+    def counting(path, fmt):
+        reads.append(path.name)
+        return read_mesh(path, fmt)
+    report = convert(source, out, parse_spec(spec), progress=False, read=counting)
+    assert (report.read, report.reused) == (24 - finished, finished)
+    assert len(reads) == len(set(reads)) == 24 - finished
+    fresh = convert(source, tmp_path / "fresh", parse_spec(spec), progress=False).store
+    for split in ("train", "test"):
+        a, b = report.store.split(split), fresh.split(split)
+        assert a.names == b.names
+        for i in range(len(a)):
+            for u, v in zip(a.sample(i), b.sample(i)):
+                np.testing.assert_array_equal(u, v)
+    assert not [p for p in out.rglob("*") if is_temporary(p.name)]

@@ -1,0 +1,153 @@
+"""Every claimed mesh format, on real files its library writes (tests/mesh_files.py):
+converted to a store, the stored values are the written ones; a truncated file is a
+sentence naming it; cell geometry equals explicit references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyvista")
+pytest.importorskip("meshio")
+
+from flarepp.data import DataError  # noqa: E402
+from flarepp.data.convert import convert  # noqa: E402
+from flarepp.data.meshes import MESH_FORMATS, cell_geometry, read_mesh  # noqa: E402
+from flarepp.data.spec import parse_spec  # noqa: E402
+from mesh_files import (ARRAY_NAMES, CARRIES, WRITERS, cell_field, point_field,  # noqa: E402
+                        surface_mesh, velocity, volume_mesh, write_openfoam)
+
+FORMATS = MESH_FORMATS.names()
+
+
+def test_every_registered_format_has_a_test_writer():
+    """A format is claimed (registered) only with a writer of real files in the tests; a
+    failure names a format registered without one, or a writer left for a dropped one."""
+    assert set(FORMATS) == set(WRITERS)
+
+
+def _cases(tmp_path, fmt, n=3):
+    source = tmp_path / fmt
+    for i in range(n):
+        WRITERS[fmt](source, f"case_{i}", i)
+    return source
+
+
+def _geometry(fmt):
+    if fmt in ("vtp", "stl"):
+        return ["coordinates", "normals", "areas"]
+    return ["coordinates", "volumes"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_converts_to_the_values_written(tmp_path, fmt):
+    """Each file's point array T, cell arrays p, U and field data load land in the store
+    as written, at the points or at the cells' centres (so independent of the writer's
+    order); an STL, which holds no arrays, gives its geometry. A failure points to a reader
+    that loses, reorders or mixes up arrays, or to wrong cell centres."""
+    source = _cases(tmp_path, fmt)
+    names = ARRAY_NAMES.get(fmt, {})
+    carries = CARRIES[fmt]
+    conditions = ["load"] if "field" in carries else []
+    if "point" in carries:
+        spec = parse_spec({"targets": [names.get("T", "T")], "conditions": conditions,
+                           "split": {"test": "case_2*"}})
+        store = convert(source, tmp_path / "point-store", spec, progress=False).store
+        assert store.layout.association == "point"
+        assert [n.split(".")[0] for n in store.splits["test"]] == ["case_2"]
+        for split in ("train", "test"):
+            samples = store.split(split)
+            for i in range(len(samples)):
+                x, y = samples.sample(i)
+                np.testing.assert_allclose(y[:, 0], point_field(x.astype(np.float64)),
+                                           rtol=1e-6, atol=1e-6)
+        if conditions:
+            assert store.samples["case_1"]["conditions"] == [2.5]
+    spec = parse_spec({"association": "cell", "geometry": _geometry(fmt),
+                       "targets": [names.get("p", "p"), names.get("U", "U")]
+                       if "cell" in carries else []})
+    store = convert(source, tmp_path / "cell-store", spec, progress=False).store
+    samples = store.split("train")
+    x, y = samples.sample(0)
+    centres = x[:, :3].astype(np.float64)
+    if "cell" in carries:
+        np.testing.assert_allclose(y[:, 0], cell_field(centres), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(y[:, 1:4], velocity(centres), rtol=1e-5, atol=1e-6)
+    if fmt in ("vtp", "stl"):
+        np.testing.assert_allclose(np.linalg.norm(x[:, 3:6], axis=1), 1.0, atol=1e-6)
+        assert x[:, 6].sum() == pytest.approx(surface_mesh(0).area, rel=1e-5)
+    elif fmt == "openfoam":
+        assert x[:, 3].sum() == pytest.approx(0.25, rel=1e-6)     # the 1 x 0.5 x 0.5 box
+    else:
+        assert x[:, 3].sum() == pytest.approx(0.5, rel=1e-6)      # the 1 x 1 x 0.5 box
+    first = store.splits["train"][0]
+    assert store.samples[first]["source"]["case"].endswith(
+        WRITERS[fmt](tmp_path / "again", "case_0", 0).name)
+
+
+def _truncate(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_truncated_file_is_a_sentence_naming_it(tmp_path, fmt):
+    """A file cut in half (a copy interrupted, a full disk) was read as a smaller mesh or
+    hung (meshio on a cut Gmsh file); now a DataError naming the file. For OpenFOAM the
+    field file is cut, for EnSight its geometry, for XDMF its XML."""
+    case = WRITERS[fmt](tmp_path, "case", 0)
+    cut = {"openfoam": case.parent / "1" / "p",
+           "ensight": case.parent / "case.0.00000.geo"}.get(fmt, case)
+    _truncate(cut)
+    with pytest.raises(DataError) as err:
+        read_mesh(case)
+    assert str(case) in str(err.value)
+
+
+def test_surface_cell_geometry_is_the_drivaerml_readers():
+    """Cell centres, normals and areas of a triangulated sphere equal
+    polygon_centres_and_normals on the same polygons (one geometry for both readers), and
+    VTK's own cell areas. A failure points to a reordered or differently computed cell."""
+    from flarepp.data.drivaerml import polygon_centres_and_normals
+    from flarepp.data.meshes import cell_arrays
+    mesh = surface_mesh(0)
+    geometry = cell_geometry(mesh, "sphere")
+    _, offsets, connectivity = cell_arrays(mesh)
+    centres, normals, areas = polygon_centres_and_normals(np.asarray(mesh.points, float),
+                                                          offsets, connectivity)
+    np.testing.assert_array_equal(geometry.centres, centres)
+    np.testing.assert_array_equal(geometry.normals, normals)
+    sizes = mesh.compute_cell_sizes(length=False, volume=False)
+    np.testing.assert_allclose(geometry.measures, sizes.cell_data["Area"], rtol=1e-10)
+
+
+def test_volume_cell_geometry_equals_explicit_tetrahedra_and_hexahedra():
+    """Volumes and centres of 3-D cells: a tetrahedron's are |det| / 6 and its vertex mean
+    (the explicit formula, cell by cell); a box hexahedron's its side product and its
+    centre. A failure points to the tetrahedral split or the per-cell sums."""
+    import pyvista as pv
+    mesh = volume_mesh(1)
+    geometry = cell_geometry(mesh, "box")
+    tets = np.asarray(mesh.cells_dict[10])
+    v = np.asarray(mesh.points, float)[tets]
+    for c in range(0, len(tets), 17):
+        volume = abs(np.linalg.det((v[c, 1:] - v[c, 0]).T)) / 6
+        assert geometry.measures[c] == pytest.approx(volume, rel=1e-12)
+        np.testing.assert_allclose(geometry.centres[c], v[c].mean(0), rtol=1e-12)
+    hexes = pv.ImageData(dimensions=(3, 2, 2), spacing=(0.5, 2.0, 0.25),
+                         origin=(1, 1, 1)).cast_to_unstructured_grid()
+    boxes = cell_geometry(hexes, "hex")
+    np.testing.assert_allclose(boxes.measures, 0.25, rtol=1e-12)
+    np.testing.assert_allclose(boxes.centres, [[1.25, 2, 1.125], [1.75, 2, 1.125]], rtol=1e-12)
+
+
+def test_openfoam_latest_time_and_cell_data(tmp_path):
+    """The OpenFOAM reader takes the latest time directory (2/, where p is doubled, over
+    1/) and keeps the fields as cell data (no interpolated point copies). A failure points
+    to the reader's time or cell-to-point settings."""
+    write_openfoam(tmp_path, "cavity", 0, time="1")
+    foam = write_openfoam(tmp_path, "cavity", 0, time="2", factor=2.0)
+    mesh = read_mesh(foam)
+    assert "p" in mesh.cell_data.keys() and "p" not in mesh.point_data.keys()
+    centres = cell_geometry(mesh, foam).centres
+    np.testing.assert_allclose(mesh.cell_data["p"], 2.0 * cell_field(centres), rtol=1e-6)
