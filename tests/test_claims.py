@@ -152,6 +152,31 @@ def test_two_takers_of_one_gone_lease_cannot_both_win(tmp_path, monkeypatch):
         won[0].release()
 
 
+def test_a_takeover_guard_left_by_a_dead_taker_does_not_block(tmp_path, monkeypatch):
+    """A taker killed inside its takeover leaves ``.lock.takeover`` behind: the next taker
+    removes it (its process is gone) and takes the gone lease over; a guard of a live taker
+    from another host is left alone until it is ``TAKEOVER_STALE_S`` old. A failure points to
+    a left guard that blocks every later takeover."""
+    monkeypatch.setenv(HOST_ENV, "b")
+    path = tmp_path / ".lock"
+    guard = tmp_path / ".lock.takeover"
+    _record(path, _holder("a"), heartbeat_age_s=3600)
+    guard.write_text(json.dumps(_holder("b").__dict__))  # this host, its pid gone
+    lease = Lease(path, heartbeat=False).acquire()
+    assert lease.stale is not None and lease.stale.host == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    lease.release()
+
+    _record(path, _holder("a"), heartbeat_age_s=3600)
+    guard.write_text(json.dumps(_holder("c").__dict__))  # another host: judged by its age
+    monkeypatch.setattr("flarepp.storage.locks.ACQUIRE_PATIENCE_S", 0.3)
+    with pytest.raises(RunLocked, match="keeps being replaced"):
+        Lease(path, heartbeat=False).acquire()
+    then = time.time() - 3600
+    os.utime(guard, (then, then))
+    assert Lease(path, heartbeat=False).acquire().stale.host == "a"
+
+
 def test_a_holder_whose_lease_was_taken_over_stops(tmp_path, monkeypatch):
     """When another process took the lease over (here: the file replaced by another host's),
     the holder's heartbeat finds a foreign token and calls on_lost instead of refreshing the

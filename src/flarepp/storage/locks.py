@@ -18,10 +18,15 @@ on Windows. A :class:`Lease` relies on none of it:
   keeps what it holds); and, for a holder on another host, whose pids mean nothing here,
   when its heartbeat is older than its grace period. Hosts' clocks must agree to well within
   that period (NTP does).
-* **Taking over** a gone holder's lease renames the file to a name only this process uses
-  (of two takers one rename succeeds, the other finds no file), checks that the moved file is
-  the one judged gone (same inode and token; otherwise it is linked back), removes it and
-  creates the lease afresh with ``O_EXCL``, which again only one process can win.
+* **Taking over** a gone holder's lease happens under a takeover guard, ``<lease>.takeover``,
+  itself an ``O_EXCL`` file held for milliseconds: its holder reads the lease file again,
+  removes it only if it is still the one judged gone (same inode and token), gives the guard
+  back and creates the lease afresh with ``O_EXCL``, which only one process can win. Takers
+  that find the guard held wait for it. (Renaming the gone file away without a guard is not
+  safe: a taker that judged the old file can move a fresh holder's file aside, and a third
+  process then creates another, so two hold the lease.) A guard left by a taker killed in
+  those milliseconds is removed once its process is gone (this host) or it is
+  ``TAKEOVER_STALE_S`` old.
 * **A holder that finds its lease taken over** (the file is gone or carries another token,
   or no heartbeat could be written for a whole grace period) has been judged gone by another
   host: it stops at once without writing more (``on_lost``; by default the process exits with
@@ -59,6 +64,13 @@ LOST_EXIT = 75
 """Exit status of a process whose lease another host took over (``EX_TEMPFAIL``)."""
 
 LOCK_NAME = ".lock"
+
+TAKEOVER_STALE_S = 30.0
+"""Age in seconds after which a takeover guard (held for milliseconds) is judged left behind."""
+
+ACQUIRE_PATIENCE_S = 30.0
+"""Seconds :meth:`Lease.acquire` keeps retrying while other processes replace the lease file
+or take it over (a live holder is refused at once)."""
 
 
 def host_id() -> str:
@@ -212,7 +224,8 @@ class Lease:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise self._unavailable(err) from None
-        for _ in range(20):  # retried only while other processes replace the file under us
+        deadline = time.monotonic() + ACQUIRE_PATIENCE_S
+        while time.monotonic() < deadline:  # retried only while others replace the file
             me = LockHolder.this_process(self.grace_s)
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -241,8 +254,10 @@ class Lease:
                                               name=f"heartbeat {self.path}")
                 self._beat.start()
             return self
-        raise RunLocked(f"could not take {str(self.path)!r}: it keeps being replaced by other "
-                        "processes")
+        guard = self.path.with_name(f"{self.path.name}.takeover")
+        raise RunLocked(f"could not take {str(self.path)!r} within {ACQUIRE_PATIENCE_S:g} s: "
+                        "it keeps being replaced by other processes" + (
+                            f", or a taker holds {str(guard)!r}" if guard.exists() else ""))
 
     def wait(self, timeout_s: float, poll_s: float = 0.02) -> "Lease":
         """:meth:`acquire`, retried while a live process holds it, for at most ``timeout_s``."""
@@ -327,28 +342,55 @@ class Lease:
     # -- internals ---------------------------------------------------------------------------
 
     def _take_over(self, verdict: Verdict) -> None:
-        moved = self.path.with_name(f"{self.path.name}.taken.{secrets.token_hex(6)}")
+        """Remove the lease file judged gone in ``verdict``, under the takeover guard (module
+        docstring); returns without removing anything when another taker holds the guard (after
+        a short wait) or the file is no longer the one judged gone."""
+        guard = self.path.with_name(f"{self.path.name}.takeover")
         try:
-            os.rename(self.path, moved)
-        except FileNotFoundError:
-            return  # another process took it over or released it first
+            fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            self._clear_left_guard(guard)
+            time.sleep(0.002 + 0.008 * secrets.randbelow(1000) / 1000)
+            return
         except OSError as err:
             raise self._unavailable(err) from None
         try:
-            st = os.stat(moved)
-            holder = LockHolder.parse(moved.read_text(errors="replace"))
-            mine = st.st_ino == verdict.inode and (
-                verdict.holder is None or (holder is not None
-                                           and holder.token == verdict.holder.token))
-            if not mine:  # a fresh lease replaced the gone one meanwhile: give it back
-                try:
-                    os.link(moved, self.path)
-                except OSError:
-                    pass  # its holder finds it lost at its next heartbeat and stops
-            elif self.stale is None and verdict.holder is not None:
+            try:
+                os.write(fd, (json.dumps(asdict(LockHolder.this_process())) + "\n").encode())
+            finally:
+                os.close(fd)
+            now = self.judge()
+            if now is None or now.inode != verdict.inode:
+                return  # released, or already replaced by a fresh lease
+            if (now.holder is None) != (verdict.holder is None) or (
+                    now.holder is not None and verdict.holder is not None
+                    and now.holder.token != verdict.holder.token):
+                return  # another holder's file (an inode number can be reused)
+            if verdict.holder is None and not now.gone:
+                return  # an empty file judged by its age: a fresh one is being written
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                return
+            except OSError as err:
+                raise self._unavailable(err) from None
+            if self.stale is None and verdict.holder is not None:
                 self.stale = verdict.holder
         finally:
-            moved.unlink(missing_ok=True)
+            guard.unlink(missing_ok=True)
+
+    @staticmethod
+    def _clear_left_guard(guard: Path) -> None:
+        """Remove a takeover guard whose taker died (this host) or that is older than
+        ``TAKEOVER_STALE_S``; a guard being written or held by a live taker stays."""
+        try:
+            st = os.stat(guard)
+            taker = LockHolder.parse(guard.read_text(errors="replace"))
+        except OSError:
+            return
+        age = time.time() - st.st_mtime
+        if (taker is not None and taker.alive_here() is False) or age > TAKEOVER_STALE_S:
+            guard.unlink(missing_ok=True)
 
     def _read_token(self) -> str | None:
         try:
@@ -424,6 +466,6 @@ def file_safe(name: str) -> str:
     return _SAFE_NAME.sub("_", name)
 
 
-__all__ = ["GRACE_S", "HOST_ENV", "LOCK_NAME", "LOST_EXIT", "Lease", "LockHolder",
-           "LockUnavailable", "RunLock", "RunLocked", "Verdict", "file_safe", "host_id",
-           "process_alive", "process_start"]
+__all__ = ["ACQUIRE_PATIENCE_S", "GRACE_S", "HOST_ENV", "LOCK_NAME", "LOST_EXIT",
+           "TAKEOVER_STALE_S", "Lease", "LockHolder", "LockUnavailable", "RunLock", "RunLocked",
+           "Verdict", "file_safe", "host_id", "process_alive", "process_start"]
