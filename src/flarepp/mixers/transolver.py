@@ -13,13 +13,19 @@ Every member is *physics attention* (Wu et al., 2024, Sec. 3.1), per head h:
 Members differ in where the logits and features come from:
 
 * ``transolver`` (Wu et al., 2024): ``f = X W_f``, ``logits = (X W_x) W_s`` with a separate
-  projection ``W_x``; ``tau`` a learned per-head temperature clamped to [0.1, 5].
+  projection ``W_x``; ``tau`` a learned per-head temperature clamped to [0.1, 5]. The clamp
+  and the orthogonal init of ``W_s`` are kept although Transolver's irregular-mesh release
+  has no clamp: the FLARE study's Transolver (``pdebench/models/transolver.py``, the code
+  behind Table 1's Transolver comparison) has both.
 * ``transolver++`` (Luo et al., 2025, Sec. 3.2): *eidetic states* -- one projection
   ``X~ = X W_x`` serves both the logits and the states; a per-token adaptive temperature
   ``tau_i = tau_0 + MLP(x~_i)`` (Ada-Temp); Gumbel-softmax slicing
   ``w_i = softmax((logits_i + g_i) / tau_i)``, ``g = -log(-log u)``, ``u ~ U(0, 1)``
-  (Rep-Slice) -- drawn in training mode only; in eval mode ``g = 0``, so evaluation is
-  deterministic (the noise's mean is the same constant for every slice and would cancel).
+  (Rep-Slice) -- drawn in every forward, evaluation included, as in the Transolver++
+  release and the FLARE study's copy of it (the noise is part of the model: the mean of the
+  outputs over draws is not the noise-free output). In eval mode the draw is seeded, so an
+  evaluation is reproducible (see :class:`TransolverPP`); ``eval_noise=False`` evaluates
+  with ``g = 0`` instead, a deterministic variant of flarepp's own, not the release's.
 * ``transolver3`` (Zhou et al., 2026, arXiv 2602.04940, Sec. 3.1): the same operator as
   Transolver computed in the associative order of its "faster slice and deslice":
   ``s = Linear_f((w d^-1)^T X)`` (project the M states, not the N tokens) and
@@ -36,6 +42,8 @@ Transolver++ 36,041 -- the settings of the FLARE study's implementation (Table 1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -43,6 +51,7 @@ from flarepp.mixers.base import Mixer, MixerConfig, check_tokens
 from flarepp.mixers.registry import MIXERS
 
 SLICE_EPS = 1e-5  # added to the slice mass sum_i w_ij, as in the Transolver papers
+NOISE_STREAM_STRIDE = 1_000_003  # eval-noise seeds of blocks: seed + stride * block index
 
 
 def masked_slice_weights(weights_BHNM: torch.Tensor, mask_BN: torch.Tensor | None
@@ -70,12 +79,27 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
-    """``g = -log(-log u)``, ``u ~ U(0, 1)`` kept away from 0 and 1 (at least float32)."""
-    dtype = at_least_float32(like).dtype
-    info = torch.finfo(dtype)
-    u = torch.rand(like.shape, device=like.device, dtype=dtype)
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """``g = -log(-log u)`` with ``u`` kept away from 0 and 1."""
+    info = torch.finfo(u.dtype)
     return -torch.log(-torch.log(u.clamp(min=info.tiny, max=1.0 - info.eps)))
+
+
+def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
+    """``g = -log(-log u)``, ``u ~ U(0, 1)`` from the global generator (at least float32)."""
+    dtype = at_least_float32(like).dtype
+    return gumbel_from_uniform(torch.rand(like.shape, device=like.device, dtype=dtype))
+
+
+def seeded_gumbel_noise(like_BHNM: torch.Tensor, seed: int) -> torch.Tensor:
+    """Gumbel noise ``[1, H, N, M]`` from a CPU generator seeded with ``seed``, drawn token
+    by token (``[N, H, M]`` in order), so token n's noise does not depend on how many tokens
+    follow it (padding appended to a sample leaves its real tokens' noise unchanged); the
+    same for every sample of the batch."""
+    _, H, N, M = like_BHNM.shape
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand((N, H, M), generator=generator, dtype=at_least_float32(like_BHNM).dtype)
+    return gumbel_from_uniform(u).permute(1, 0, 2).unsqueeze(0).to(like_BHNM.device)
 
 
 class PhysicsAttention(Mixer):
@@ -132,6 +156,15 @@ class Transolver(PhysicsAttention):
         return self.zero_padding(y, mask)
 
 
+@dataclass(kw_only=True)
+class TransolverPPConfig(MixerConfig):
+    """``eval_noise``: draw the Gumbel noise in eval mode too (the release's model);
+    ``eval_noise_seed``: the seed of that draw."""
+
+    eval_noise: bool = True
+    eval_noise_seed: int = 0
+
+
 @MIXERS.register("transolver++", doc="Transolver++ (Luo et al., 2025): eidetic states, "
                  "Gumbel-softmax slicing with per-token temperature")
 class TransolverPP(PhysicsAttention):
@@ -140,12 +173,20 @@ class TransolverPP(PhysicsAttention):
     ``tau_i = max(tau_0,h + GELU(GELU(x~_i A_1 + a_1) A_2 + a_2), 0.01)`` with
     ``A_1: D -> M``, ``A_2: M -> 1`` (the temperature network of the Transolver++ release),
     ``tau_0,h`` initialised at 0.5. Training-mode forwards draw Gumbel noise from the
-    global torch generator, so they are random; eval-mode forwards are deterministic.
+    global torch generator. Eval-mode forwards draw it too, as the release does, but from a
+    generator seeded with ``eval_noise_seed + NOISE_STREAM_STRIDE * noise_stream``
+    (:func:`seeded_gumbel_noise`; ``noise_stream`` is the block index, set by the model, so
+    blocks draw independent noise): an evaluation is reproducible and a sample's output
+    does not depend on the padding or the other samples of its batch. It depends on token
+    order (the noise is drawn per position), so with ``eval_noise`` on the mixer is not
+    permutation-equivariant in eval mode; ``eval_noise=False`` (``g = 0``) is.
     """
 
+    config_cls = TransolverPPConfig
     stochastic_in_training = True
+    noise_stream = 0
 
-    def __init__(self, config: MixerConfig) -> None:
+    def __init__(self, config: TransolverPPConfig) -> None:
         super().__init__(config)
         c = config
         self.in_proj = nn.Linear(c.dim, c.dim)                        # W_x (eidetic)
@@ -164,6 +205,9 @@ class TransolverPP(PhysicsAttention):
         logits = self.slice_proj(tokens)
         if self.training:
             logits = at_least_float32(logits) + gumbel_noise(logits)
+        elif self.config.eval_noise:
+            seed = self.config.eval_noise_seed + NOISE_STREAM_STRIDE * self.noise_stream
+            logits = at_least_float32(logits) + seeded_gumbel_noise(logits, seed)
         weights = masked_slice_weights(self.softmax_over_slices(logits, tau), mask)
         weights = weights.to(tokens.dtype)
         states = self.attend_states(slice_tokens(weights, tokens))

@@ -29,18 +29,20 @@ from flarepp.ops import make_norm
 class ResidualMLP(nn.Module):
     """``fc_in -> GELU``, ``hidden_layers`` x ``(h + GELU(fc(h)))``, ``fc_out``.
 
-    ``input_residual`` adds the input to the first layer's output (needs ``in == hidden``);
+    ``gelu`` is the GELU's ``approximate`` argument: ``"tanh"`` (the FLARE study's backbone)
+    or ``"none"`` (the exact GELU of the LNO and GNOT releases). ``input_residual`` adds the input to the first layer's output (needs ``in == hidden``);
     ``output_residual`` adds the last hidden state to ``fc_out``'s output (``hidden == out``).
     """
 
     def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, hidden_layers: int, *,
-                 input_residual: bool = False, output_residual: bool = False) -> None:
+                 input_residual: bool = False, output_residual: bool = False,
+                 gelu: str = "tanh") -> None:
         super().__init__()
         self.fc_in = nn.Linear(in_dim, hidden_dim)
         self.hidden = nn.ModuleList(nn.Linear(hidden_dim, hidden_dim)
                                     for _ in range(hidden_layers))
         self.fc_out = nn.Linear(hidden_dim, out_dim)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = nn.GELU(approximate=gelu)
         self.input_residual = input_residual and in_dim == hidden_dim
         self.output_residual = output_residual and hidden_dim == out_dim
 
@@ -207,6 +209,9 @@ class SurrogateModel(nn.Module):
         self.config = c = config
         self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
         self.blocks = nn.ModuleList(self.make_block() for _ in range(c.blocks))
+        for index, block in enumerate(self.blocks):   # a mixer that draws noise per block
+            if hasattr(getattr(block, "mixer", None), "noise_stream"):
+                block.mixer.noise_stream = index
         self.out_norm = make_norm(c.norm, c.dim)
         self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
         init_backbone_weights(self)

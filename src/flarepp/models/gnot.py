@@ -3,20 +3,30 @@
 Shape letters: B batch, N tokens (points), H heads, D head width, C channels, E experts.
 
 * trunk (query points) ``X = MLP_q(pos)``; branch (input function) ``Y = MLP_f(x)``;
-* B blocks of heterogeneous normalized attention with geometry-gated experts:
+* B blocks of heterogeneous normalized attention with geometry-gated experts, each block
+  reading a query stream ``X`` and an input stream ``Y``:
 
-  ``X <- X + CrossAttn(LN(X), LN(Y))``, ``X <- X + LN(sum_e g_e(pos) FFN1_e(X))``,
-  ``X <- X + SelfAttn(LN(X))``,          ``X <- X + LN(sum_e g_e(pos) FFN2_e(X))``;
+  ``U = X + CrossAttn(LN(X), LN(Y))``, ``U <- U + LN(sum_e g_e(pos) FFN1_e(U))``,
+  ``U <- U + SelfAttn(LN(U))``,         ``U <- U + LN(sum_e g_e(pos) FFN2_e(U))``;
 
 * head ``Linear -> GELU -> Linear``.
 
+The wiring of the streams is the FLARE study's (``wiring="flare-study"``, the model behind
+Table 1's GNOT row): every block's query is the fixed trunk embedding ``X``, and the input
+stream is carried, ``Y <- U``, starting from the branch embedding. ``wiring="query-stream"``
+is the GNOT release's: the branch ``Y`` is fixed and the query stream is carried,
+``X <- U``.
+
 Normalized (linear) attention, per head: ``q~ = softmax_D(q)``, ``k~ = softmax_D(k)``,
-``z_t = sum_i (q~_t . k~_i) v_i / sum_j (q~_t . k~_j)``, computed as
-``q~ (k~^T V) / (q~ . sum_j k~_j)`` in O(N D^2); output projection after. The geometric
-gate ``g(pos) = softmax_E(GateNet(pos))`` (an MLP ``space_dim -> rC -> rC -> E``) mixes E
-expert FFNs ``C -> rC -> C`` per point: a soft domain decomposition. The branch is fixed,
-the query stream is updated block by block (the order of operations and the norm on the
-expert output follow the authors' release).
+``z_t = q~_t + sum_i (q~_t . k~_i) v_i / sum_j (q~_t . k~_j)``, computed as
+``q~ (k~^T V) / (q~ . sum_j k~_j) + q~`` in O(N D^2); output projection after. The added
+``q~`` is the authors' (HaoZhongkai/GNOT ``models/mmgpt.py``, kept by the FLARE study and
+the Neural-Solver-Library). The geometric gate ``g(pos) = softmax_E(GateNet(pos))`` (an MLP
+``space_dim -> rC -> rC -> E``) mixes E expert FFNs ``C -> rC -> C`` per point: a soft
+domain decomposition. The order of operations and the norm on the expert output follow the
+authors' release. Every GELU is the exact one, as in both references. The FLARE study also
+adds a learned vector to the branch output; it only reparameterises the branch MLP's output
+bias, so it is left out (C parameters fewer).
 
 ``pos`` is the first ``space_dim`` input channels (all of them by default). Defaults are
 the FLARE study's: C=128, H=8, B=8, MLP ratio 2, 3 experts (about 4.87M parameters; the
@@ -36,11 +46,15 @@ from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import make_norm
 
 
+GNOT_WIRINGS = ("flare-study", "query-stream")
+
+
 @dataclass(kw_only=True)
 class GNOTConfig(ModelConfig):
     """``experts``: E; ``space_dim``: how many leading input channels are coordinates
     (``None``: all ``in_dim``); ``mlp_ratio`` r of the experts and the gate network;
-    ``norm`` the type of the five norms per block (LayerNorm in FP32, C.2)."""
+    ``norm`` the type of the five norms per block (LayerNorm in FP32, C.2); ``wiring``
+    which stream the blocks carry (see the module docstring)."""
 
     arch = "gnot"
     positive = ModelConfig.positive + ("experts", "mlp_ratio")
@@ -48,9 +62,13 @@ class GNOTConfig(ModelConfig):
     experts: int = 3
     mlp_ratio: float = 2.0
     space_dim: int | None = None
+    wiring: str = "flare-study"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.wiring not in GNOT_WIRINGS:
+            raise ValueError(f"gnot: wiring must be one of {', '.join(GNOT_WIRINGS)}, "
+                             f"got {self.wiring!r}")
         if self.space_dim is not None and not 0 < self.space_dim <= self.in_dim:
             raise ValueError(f"gnot: space_dim must be in [1, in_dim={self.in_dim}], "
                              f"got {self.space_dim}")
@@ -61,7 +79,8 @@ class GNOTConfig(ModelConfig):
 
 
 class NormalizedAttention(nn.Module):
-    """GNOT's normalized linear attention (queries from ``x``, keys/values from ``y``)."""
+    """GNOT's normalized linear attention (queries from ``x``, keys/values from ``y``),
+    with the softmaxed query added to its output."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -81,7 +100,7 @@ class NormalizedAttention(nn.Module):
             k, v = k * keep, v * keep
         context = k.transpose(-1, -2) @ v                                    # [B,H,D,D]
         normaliser = q @ k.sum(dim=2, keepdim=True).transpose(-1, -2)        # [B,H,N,1]
-        z = (q @ context) / normaliser
+        z = (q @ context) / normaliser + q
         return self.out_proj(merge_heads(z))
 
 
@@ -134,8 +153,9 @@ class GNOT(nn.Module):
     def __init__(self, config: GNOTConfig) -> None:
         super().__init__()
         self.config = c = config
-        self.query_mlp = ResidualMLP(c.coordinate_channels, 2 * c.dim, c.dim, 0)   # trunk
-        self.input_mlp = ResidualMLP(c.in_dim, 2 * c.dim, c.dim, 0)                # branch
+        self.query_mlp = ResidualMLP(c.coordinate_channels, 2 * c.dim, c.dim, 0,   # trunk
+                                     gelu="none")
+        self.input_mlp = ResidualMLP(c.in_dim, 2 * c.dim, c.dim, 0, gelu="none")    # branch
         self.blocks = nn.ModuleList(GNOTBlock(c) for _ in range(c.blocks))
         self.head = nn.Sequential(nn.Linear(c.dim, 2 * c.dim), nn.GELU(),
                                   nn.Linear(2 * c.dim, c.out_dim))
@@ -146,8 +166,11 @@ class GNOT(nn.Module):
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         pos = x[..., :self.config.coordinate_channels]
-        h, y = self.query_mlp(pos), self.input_mlp(x)
+        trunk, stream = self.query_mlp(pos), self.input_mlp(x)                  # [B, N, C]
         for block in self.blocks:
-            h = block(h, y, pos, mask)
-        out = self.head(h)
+            if self.config.wiring == "flare-study":
+                stream = block(trunk, stream, pos, mask)
+            else:
+                trunk = block(trunk, stream, pos, mask)
+        out = self.head(stream if self.config.wiring == "flare-study" else trunk)
         return out if mask is None else out.masked_fill(~mask[..., None], 0.0)

@@ -14,7 +14,8 @@ products:
   ``MLP_o``.
 
 The encoder and decoder share ``MLP_a`` (one projector, two softmax axes). Each MLP is
-``Linear -> GELU``, ``projector_layers`` residual ``C x C`` GELU layers, ``Linear``.
+``Linear -> GELU``, ``projector_layers`` residual ``C x C`` GELU layers, ``Linear``, with
+the exact (erf) GELU throughout, as in the LNO release and the FLARE study's copy of it.
 Here query and input points coincide, so trunk and branch both read the full input x.
 Defaults are the FLARE study's: C=128, H=8, R=256 modes, B=4 latent blocks (8 on Airfoil
 and Pipe), ``projector_layers=2``; on Elasticity C=192 and ``projector_layers=3``.
@@ -63,15 +64,15 @@ class LNO(nn.Module):
         super().__init__()
         self.config = c = config
         L = c.projector_layers
-        self.trunk = ResidualMLP(c.in_dim, c.dim, c.dim, L)
-        self.branch = ResidualMLP(c.in_dim, c.dim, c.dim, L)
-        self.mode_projector = ResidualMLP(c.dim, c.dim, c.latents, L)          # MLP_a
+        self.trunk = ResidualMLP(c.in_dim, c.dim, c.dim, L, gelu="none")
+        self.branch = ResidualMLP(c.in_dim, c.dim, c.dim, L, gelu="none")
+        self.mode_projector = ResidualMLP(c.dim, c.dim, c.latents, L, gelu="none")  # MLP_a
         # LNO's latent blocks: Q, K, V with bias and the exact GELU.
         self.blocks = nn.ModuleList(
             LatentSelfAttentionBlock(c.dim, c.heads, c.norm, c.mlp_ratio, qkv_bias=True,
                                      gelu="none", attn_scale=c.attn_scale)
             for _ in range(c.blocks))
-        self.out_mlp = ResidualMLP(c.dim, c.dim, c.out_dim, L)
+        self.out_mlp = ResidualMLP(c.dim, c.dim, c.out_dim, L, gelu="none")
         # PyTorch's default initialisation, as in the FLARE study's LNO: the mode scores must
         # differ across modes from the start, or every mode encodes the same mean.
 

@@ -5,10 +5,12 @@ Shape letters: B batch, N tokens, M latents, H heads, D head width, C channels.
 Encode the N point tokens into M learned latents, process the latents with B self-attention
 blocks, decode by letting every point query the latents:
 
-* encode: ``Z = L + SDPA(L, LN(X) W_k, LN(X) W_v) W_e`` -- the learned latent array
+* encode: ``Z = SDPA(L, LN(X) W_k, LN(X) W_v) W_e`` -- the learned latent array
   ``L [M, C]`` is itself the query (a query projection of a learned array would only
-  reparameterise it), with the query residual of Perceiver; ``L ~ N(0, 1)`` (truncated at
-  2), the scale Perceiver's norm on the latents would give, as in the FLARE study;
+  reparameterise it); ``L ~ N(0, 1)`` (truncated at 2), as in the FLARE study. The
+  encoder returns the projected attention only, as the FLARE study's encoder does;
+  ``query_residual=True`` adds ``L`` back (``Z = L + ...``, the query residual of
+  Jaegle et al.'s cross-attention module), flarepp's earlier default;
 * process: ``Z <- Z + MHSA(LN(Z))``, ``Z <- Z + MLP(LN(Z))`` (MLP ratio 4);
 * decode: ``Y = SDPA(LN(X) W_q, LN(Z) W_k', LN(Z) W_v') W_d``, the point tokens as the
   output query array;
@@ -35,7 +37,9 @@ from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 @dataclass(kw_only=True)
 class PerceiverIOConfig(LatentModelConfig):
-    """Table 9 defaults; ``blocks`` latent self-attention blocks, ``latents`` M."""
+    """Table 9 defaults; ``blocks`` latent self-attention blocks, ``latents`` M;
+    ``query_residual`` adds the latent array to the encoder's output (off in the FLARE
+    study)."""
 
     arch = "perceiver-io"
     positive = LatentModelConfig.positive + ("mlp_ratio",)
@@ -43,6 +47,7 @@ class PerceiverIOConfig(LatentModelConfig):
     latents: int = 512
     mlp_ratio: float = 4.0
     io_layers: int = 2
+    query_residual: bool = False
 
 
 class PerceiverIO(nn.Module):
@@ -87,7 +92,9 @@ class PerceiverIO(nn.Module):
         k, v = self.encode_key_value_proj(self.encode_norm(tokens)).chunk(2, dim=-1)
         gathered = self.backend.encode(split_heads(latents, c.heads), split_heads(k, c.heads),
                                        split_heads(v, c.heads), mask, scale=s)
-        z = latents + self.encode_out_proj(merge_heads(gathered))
+        z = self.encode_out_proj(merge_heads(gathered))                          # [B, M, C]
+        if c.query_residual:
+            z = latents + z
         for block in self.blocks:
             z = block(z)
         q = self.decode_query_proj(self.decode_query_norm(tokens))

@@ -6,10 +6,14 @@ Lee et al. (2019, Sec. 3): the multihead attention block
 
     ``MAB(X, Y) = LN(H + rFF(H))``,  ``H = LN(X W_q + Multihead(X W_q, Y W_k, Y W_v))``
 
-with ``rFF(H) = GELU(H W_o + b_o)`` a row-wise feed-forward layer (the residual takes the
-projected queries and the heads are concatenated without a further output matrix, as in
-the authors' release; the softmax scale is ``1/sqrt(D)`` per head where the release divides
-by ``sqrt(C)``), and the induced set attention block with M learned inducing points
+with ``rFF(H) = act(H W_o + b_o)`` a row-wise feed-forward layer and the softmax scale
+``1/sqrt(C)`` (the width of all heads together, not of one head), both as in the authors'
+release; the residual takes the projected queries and the heads are concatenated without a
+further output matrix, as there too. ``act`` is the exact GELU by default: the paper runs
+Set Transformer itself (Table 9, "None" deviating from Tables 7-8, whose feed-forward
+networks are GELU MLPs), and the FLARE code that Table 10 counts uses the exact GELU in the
+MAB; ``row_ff_act="relu"`` gives the ReLU of Lee et al.'s release. A given ``attn_scale``
+replaces ``1/sqrt(C)``. The induced set attention block, with M learned inducing points
 ``I [M, C]`` (Xavier-uniform init):
 
     ``ISAB(X) = MAB(X, MAB(I, X))``  -- two cross-attention MABs, each with its own
@@ -24,6 +28,7 @@ reach a real token and their outputs are zero.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,26 +39,40 @@ from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import FUSED, AttentionBackend, make_norm
 
 
+ROW_FF_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
+
 @dataclass(kw_only=True)
 class SetTransformerConfig(BackboneConfig):
-    """Tables 7-8 settings; ``latents`` is the number M of inducing points per ISAB."""
+    """Tables 7-8 settings; ``latents`` is the number M of inducing points per ISAB;
+    ``row_ff_act`` the MAB's row-wise activation, ``gelu`` (exact) or ``relu``."""
 
     arch = "set-transformer"
+
+    row_ff_act: str = "gelu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.row_ff_act not in ROW_FF_ACTIVATIONS:
+            raise ValueError(f"set-transformer: row_ff_act must be one of "
+                             f"{', '.join(ROW_FF_ACTIVATIONS)}, got {self.row_ff_act!r}")
 
 
 class MAB(nn.Module):
     """``MAB(X, Y)`` of Lee et al. (2019); ``queries_are_tokens`` picks the primitive."""
 
-    def __init__(self, dim: int, heads: int, norm: str, attn_scale: float | None) -> None:
+    def __init__(self, dim: int, heads: int, norm: str, attn_scale: float | None,
+                 row_ff_act: str) -> None:
         super().__init__()
-        self.heads, self.attn_scale = heads, attn_scale
+        self.heads = heads
+        self.attn_scale = 1.0 / math.sqrt(dim) if attn_scale is None else attn_scale
         self.backend: AttentionBackend = FUSED
         self.query_proj = nn.Linear(dim, dim)              # W_q
         self.key_value_proj = nn.Linear(dim, 2 * dim)      # [W_k | W_v]
         self.row_ff = nn.Linear(dim, dim)                  # rFF
         self.attn_norm = make_norm(norm, dim)
         self.out_norm = make_norm(norm, dim)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = ROW_FF_ACTIVATIONS[row_ff_act]()
 
     def forward(self, queries: torch.Tensor, keys_values: torch.Tensor,
                 mask: torch.Tensor | None, *, queries_are_tokens: bool) -> torch.Tensor:
@@ -75,8 +94,8 @@ class ISAB(nn.Module):
         super().__init__()
         self.inducing_points = nn.Parameter(torch.empty(c.latents, c.dim))
         nn.init.xavier_uniform_(self.inducing_points)
-        self.gather = MAB(c.dim, c.heads, c.norm, c.attn_scale)    # MAB(I, X)
-        self.scatter = MAB(c.dim, c.heads, c.norm, c.attn_scale)   # MAB(X, H)
+        self.gather = MAB(c.dim, c.heads, c.norm, c.attn_scale, c.row_ff_act)    # MAB(I, X)
+        self.scatter = MAB(c.dim, c.heads, c.norm, c.attn_scale, c.row_ff_act)   # MAB(X, H)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         inducing = self.inducing_points.unsqueeze(0).expand(x.shape[0], -1, -1)
