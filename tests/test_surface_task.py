@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,6 +235,33 @@ def test_train_evaluate_infer_and_plot_end_to_end(data, tmp_path):
         assert inferred["nmse"].mean() == pytest.approx(metrics["test_nmse"], rel=1e-4)
         np.testing.assert_allclose(inferred[f"pred_{lower_median['run']}"], pred,
                                    rtol=1e-4, atol=1e-3)
+
+    # on the mesh: each car's .vtp with pred_/true_/error_ cell arrays and a picture; then
+    # the surface alone (--geometry: its .vtp, and a triangulated STL of it) is predicted
+    # from its cell centres and normals, the same numbers for the same cells
+    pv = pytest.importorskip("pyvista")
+    run = lower_median["run"]
+    assert main(["infer", str(checkpoint), "--data", data, "--device", "cpu", "--out",
+                 str(tmp_path / "m.npz"), "--write-mesh", str(tmp_path / "mesh")]) == 0
+    car = pv.read(tmp_path / "mesh" / f"{run}.vtp")
+    names = ("p_s", "tau_x", "tau_y", "tau_z")
+    on_mesh = np.stack([car.cell_data[f"pred_{n}"] for n in names], axis=1)
+    np.testing.assert_allclose(on_mesh, pred, rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(np.stack([car.cell_data[f"true_{n}"] for n in names], 1),
+                                  truth.astype(np.float32))
+    assert (tmp_path / "mesh" / f"{run}.png").stat().st_size > 10_000
+    vtp = Path(data) / run / f"boundary_{run[4:]}.vtp"
+    pv.read(vtp).triangulate().save(tmp_path / "car.stl")
+    assert main(["infer", str(checkpoint), "--geometry", str(vtp), "--device", "cpu",
+                 "--out", str(tmp_path / "g.npz")]) == 0
+    with np.load(tmp_path / "g.npz") as alone:
+        np.testing.assert_array_equal(alone[f"pred_{vtp.stem}"], on_mesh)
+    assert main(["infer", str(checkpoint), "--geometry", str(tmp_path / "car.stl"), "--device",
+                 "cpu", "--out", str(tmp_path / "s.npz"), "--write-mesh",
+                 str(tmp_path / "stl")]) == 0
+    stl = pv.read(tmp_path / "stl" / "car.vtp")
+    assert stl.n_cells == pv.read(tmp_path / "car.stl").n_cells > len(pred)
+    assert "pred_p_s" in stl.cell_data and "true_p_s" not in stl.cell_data
 
     # another run's figures predict this car again from the checkpoint: the same numbers
     again, reference, _ = predict_car(out, lower_median["run"], chunk_size=500,

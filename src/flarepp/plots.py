@@ -35,7 +35,58 @@ def _panel(ax, values, coords, grid_shape, mask, **kw):
         X, Y = coords[:, 0].reshape(shape), coords[:, 1].reshape(shape)
         return ax.pcolormesh(X, Y, values.reshape(shape), shading="gouraud", **kw)
     keep = np.ones(len(values), bool) if mask is None else mask
-    return ax.tripcolor(_triangulation(coords[keep, :2]), values[keep], shading="gouraud", **kw)
+    points, values = coords[keep], values[keep]
+    extent = np.ptp(points, axis=0) if len(points) else np.zeros(points.shape[1])
+    if points.shape[1] >= 3 and extent[2] > 0:
+        # 3-D: the view along the axis of least extent, nearest points drawn last
+        depth = int(np.argmin(extent))
+        u, v = (k for k in range(3) if k != depth)
+        order = np.argsort(points[:, depth])
+        size = max(0.5, 4e4 / max(len(points), 1))
+        return ax.scatter(points[order, u], points[order, v], c=values[order], s=size,
+                          linewidths=0, **kw)
+    return ax.tripcolor(_triangulation(points[:, :2]), values, shading="gouraud", **kw)
+
+
+def _field_panels(fig, axes, ref, prd, coords, grid, mask, label: str) -> None:
+    """Reference, prediction and signed error (in % of the reference's RMS) of one channel
+    on ``axes`` (three of them; one, the prediction, when ``ref`` is None)."""
+    valid = np.ones(len(prd), bool) if mask is None else mask
+    shown = prd if ref is None else ref
+    lo, hi = np.percentile(shown[valid], [0.5, 99.5])
+    panels = [(prd, "prediction", dict(cmap="viridis", vmin=lo, vmax=hi))]
+    if ref is not None:
+        rms = np.sqrt(np.mean(ref[valid] ** 2)) or 1.0
+        err = np.where(valid, 100.0 * (prd - ref) / rms, 0.0)
+        elim = np.percentile(np.abs(err[valid]), 99.5) or 1.0
+        panels = [(ref, "reference", panels[0][2]), panels[0],
+                  (err, "signed error", dict(cmap="RdBu_r", vmin=-elim, vmax=elim))]
+    for ax, (vals, title, kw) in zip(axes, panels):
+        art = _panel(ax, vals, coords, grid, mask, **kw)
+        ax.set_title(title)
+        ax.set_aspect("equal")
+        ax.set_xticks([]), ax.set_yticks([])
+        fig.colorbar(art, ax=ax, shrink=0.85, label="error [% of reference RMS]"
+                     if title == "signed error" else label)
+
+
+def plot_fields(path: str | Path, coords: np.ndarray, pred: np.ndarray,
+                true: np.ndarray | None, names: list[str], units: str, title: str) -> Path:
+    """One figure of a sample's fields, a row per output channel (at most 4): reference,
+    prediction and signed error, or the prediction alone without a reference; 3-D points are
+    seen along their axis of least extent. Written to ``path``."""
+    rows = min(pred.shape[1], 4)
+    cols = 1 if true is None else 3
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.6 * rows), squeeze=False,
+                             constrained_layout=True)
+    for ch in range(rows):
+        label = f"{names[ch] if ch < len(names) else f'channel {ch}'} [{units}]"
+        _field_panels(fig, axes[ch], None if true is None else true[:, ch], pred[:, ch],
+                      coords, None, None, label)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
@@ -53,27 +104,10 @@ def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
     for case in picks:
         m = None if mask is None else mask[case]
         for ch in range(true.shape[-1]):
-            ref, prd = true[case, :, ch], pred[case, :, ch]
-            valid = np.ones_like(ref, bool) if m is None else m
-            rms = np.sqrt(np.mean(ref[valid] ** 2)) or 1.0
-            err = 100.0 * (prd - ref) / rms
-            if m is not None:
-                err = np.where(m, err, 0.0)
-            lo, hi = np.percentile(ref[valid], [0.5, 99.5])
-            elim = np.percentile(np.abs(err[valid]), 99.5) or 1.0
             fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
             label = f"{names[ch] if ch < len(names) else f'channel {ch}'} [{units}]"
-            for ax, vals, title, kw in (
-                    (axes[0], ref, "reference", dict(cmap="viridis", vmin=lo, vmax=hi)),
-                    (axes[1], prd, "prediction", dict(cmap="viridis", vmin=lo, vmax=hi)),
-                    (axes[2], err, "signed error", dict(cmap="RdBu_r", vmin=-elim, vmax=elim))):
-                art = _panel(ax, vals, coords[case], grid, m, **kw)
-                ax.set_title(title)
-                ax.set_aspect("equal")
-                ax.set_xticks([]), ax.set_yticks([])
-                fig.colorbar(art, ax=ax, shrink=0.85,
-                             label="error [% of reference RMS]" if title == "signed error"
-                             else label)
+            _field_panels(fig, axes, true[case, :, ch], pred[case, :, ch], coords[case], grid,
+                          m, label)
             fig.suptitle(f"test case {case}: relative L2 = {100 * rel[case]:.2f}%")
             path = RunDir(out_dir).case_figure(case, ch)
             fig.savefig(path, dpi=110)
@@ -158,4 +192,5 @@ def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> 
     return written
 
 
-__all__ = ["Panel", "Series", "plot_cases", "plot_curves", "plot_field_run", "weight_series"]
+__all__ = ["Panel", "Series", "plot_cases", "plot_curves", "plot_field_run", "plot_fields",
+           "weight_series"]

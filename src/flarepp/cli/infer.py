@@ -16,9 +16,15 @@ def _infer(args: argparse.Namespace) -> int:
 
     from flarepp.distributed import context_parallel
     from flarepp.distributed.mesh import launch
-    from flarepp.inference.infer import predict_cases, read_cases, write_predictions
+    from flarepp.inference.infer import (geometry_case, predict_cases, read_cases,
+                                         write_on_mesh, write_predictions)
     from flarepp.inference.predictor import load_predictor
     check_output(args.out, directory=False)
+    if (args.data is None) == (args.geometry is None):
+        raise CLIError("give the cases to predict: --data (a dataset, store or .npz) or "
+                       "--geometry FILE (a surface alone), one of them")
+    if args.write_mesh:
+        check_output(args.write_mesh, directory=True, option="--write-mesh")
     if args.chunk_size is None and (args.hidden_on != "auto" or args.memmap_dir):
         raise CLIError("--hidden-on and --memmap-dir place a streamed mesh's hidden state: "
                        "they need --chunk-size")
@@ -32,7 +38,13 @@ def _infer(args: argparse.Namespace) -> int:
         from flarepp.models.backbone import compile_model
         compile_model(predictor.model)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
-    cases = read_cases(predictor, args.data, split=args.split, dataset=args.dataset)
+    if args.geometry is not None:
+        if predictor.config.task != "surface":
+            raise CLIError(f"--geometry gives cell centres and normals, the surface task's "
+                           f"inputs; this is a {predictor.config.task!r} run (use --data)")
+        cases = iter([geometry_case(args.geometry)])
+    else:
+        cases = read_cases(predictor, args.data, split=args.split, dataset=args.dataset)
 
     def shown(results):
         for r in results:
@@ -45,14 +57,23 @@ def _infer(args: argparse.Namespace) -> int:
             error = ("" if "rel_l2" not in r else f", mean relative L2 "
                      f"{100 * np.mean(r['rel_l2']):.3f}%" + (
                          "" if r["name"] is None else f", nmse {r['nmse']:.4g}%"))
+            force = ("" if "force" not in r else ", predicted force [" + ", ".join(
+                f"{f:.4g}" for f in r["force"]) + "] (sum of (-p n + tau) A)")
             print(f"{r['name'] or 'pred'} {list(r['pred'].shape)}: {r['cells']} points in "
-                  f"{r['seconds']:.1f} s ({how}){error}; peak host memory so far "
+                  f"{r['seconds']:.1f} s ({how}){error}{force}; peak host memory so far "
                   f"{r['peak_gib']:.2f} GiB", flush=True)
+            for path in r.get("meshes", ()):
+                print(f"  wrote {path}")
             yield r
 
+    def predicted(results):
+        return results if not args.write_mesh else write_on_mesh(args.write_mesh, results,
+                                                                 predictor)
+
     if not args.context_parallel:
-        done = write_predictions(args.out, shown(predict_cases(
-            predictor, cases, source=str(args.data), batch_size=args.batch_size)))
+        done = write_predictions(args.out, shown(predicted(predict_cases(
+            predictor, cases, source=str(args.data or args.geometry),
+            batch_size=args.batch_size))))
     else:
         with launch(predictor.device, context_parallel=0, timeout_s=args.timeout) as plan:
             with context_parallel(predictor.model, plan.cp_group):
@@ -62,7 +83,7 @@ def _infer(args: argparse.Namespace) -> int:
                     for _ in results:
                         pass
                     return 0
-                done = write_predictions(args.out, shown(results))
+                done = write_predictions(args.out, shown(predicted(results)))
     print(f"wrote {args.out}: {len(done)} case(s) ({how})")
     return 0
 
@@ -72,9 +93,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "--chunk-size, token-sharded with --context-parallel)")
     p.add_argument("checkpoint", help="a run directory (its reported checkpoint) or a "
                    "checkpoint file")
-    p.add_argument("--data", required=True,
-                   help="the checkpoint's dataset directory, or an .npz of inputs x [S, N, in] "
-                        "(and mask [S, N]) without targets")
+    p.add_argument("--data",
+                   help="the checkpoint's dataset directory or store, or an .npz of inputs x "
+                        "[S, N, in] (and mask [S, N]) without targets")
+    p.add_argument("--geometry", metavar="FILE",
+                   help="a surface run: predict on this geometry alone (STL, VTP, ...: cell "
+                        "centres and normals computed from it) instead of --data")
+    p.add_argument("--write-mesh", metavar="DIR",
+                   help="also write each sample's pred_/true_/error_<field> arrays onto its "
+                        "source mesh (DIR/<name>.vtu or .vtp; a point cloud where the data "
+                        "has no mesh) with a picture DIR/<name>.png")
     p.add_argument("--out", required=True, help="output .npz: pred [S, N, out] "
                    "(de-normalised), rel_l2 [S] when targets are present, mask; for a "
                    "surface checkpoint pred_<run> [N, 4] per run, cases, rel_l2 and nmse")

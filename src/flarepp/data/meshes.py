@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -374,5 +375,51 @@ def _volume_geometry(mesh, points: np.ndarray, path: Path | str) -> CellGeometry
     return CellGeometry(3, centres / volumes[:, None], None, volumes)
 
 
+# ---------------------------------------------------------------------------------------------
+# fields written back onto a mesh
+
+def point_cloud(coordinates_PG: np.ndarray):
+    """A pyvista ``PolyData`` of vertices at ``coordinates [P, G]`` (G = 1..3; missing axes
+    0): the mesh of samples that came without one (generated or ``.npz`` data)."""
+    pv = require_pyvista()
+    points = np.zeros((len(coordinates_PG), 3))
+    width = min(3, coordinates_PG.shape[1])
+    points[:, :width] = coordinates_PG[:, :width]
+    return pv.PolyData(points)
+
+
+def write_fields(mesh, arrays: dict[str, np.ndarray], association: str, out: str | Path,
+                 *, where: str = "") -> Path:
+    """``mesh`` with ``arrays`` (``name -> [P or C] or [P or C, k]``) added as point or cell
+    data (``association``), saved beside ``out``'s stem as ``.vtp`` (polygon surfaces and
+    point clouds) or ``.vtu`` (every other mesh) through a temporary file and a rename; the
+    path written. An array whose row count is not the mesh's is a :class:`DataError` naming
+    ``where`` (the source file)."""
+    from flarepp.io import atomic_write
+    pv = require_pyvista()
+    if not isinstance(mesh, pv.PolyData):
+        mesh = mesh.cast_to_unstructured_grid()
+    rows = mesh.n_points if association == "point" else mesh.n_cells
+    target = mesh.point_data if association == "point" else mesh.cell_data
+    for name, values in arrays.items():
+        if len(values) != rows:
+            raise DataError(f"{where or 'the mesh'}: has {rows} {association}s but the "
+                            f"predictions have {len(values)} rows for {name!r}; the source "
+                            "file changed after conversion?")
+        target[name] = np.ascontiguousarray(values)
+    out = Path(out).with_suffix(".vtp" if isinstance(mesh, pv.PolyData) else ".vtu")
+
+    def save(tmp: Path) -> None:  # the writer is chosen by the suffix, which tmp lacks
+        named = Path(f"{tmp}{out.suffix}")
+        try:
+            mesh.save(str(named), binary=True)
+            os.replace(named, tmp)
+        finally:
+            named.unlink(missing_ok=True)
+    atomic_write(out, save)
+    return out
+
+
 __all__ = ["CellGeometry", "MESH_FORMATS", "MeshFormat", "cell_dimension", "cell_geometry",
-           "format_of", "known_suffixes", "read_mesh", "register_format"]
+           "format_of", "known_suffixes", "point_cloud", "read_mesh", "register_format",
+           "write_fields"]

@@ -373,10 +373,10 @@ class SurfaceTask(Task):
     # -- inference on whole surfaces (``flarepp infer``) ----------------------------------
     @staticmethod
     def inference_cases(config: Any, data_root: str | Path, split: str
-                        ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-        """``(run id, inputs [1, N, 6], targets [1, N, 4])`` in physical units for every run
-        of ``split`` (``train``, ``val`` or ``test`` of the config's split file) under
-        ``data_root``, one at a time; needs no training split."""
+                        ) -> Iterator[tuple[str, np.ndarray, np.ndarray, str]]:
+        """``(run id, inputs [1, N, 6], targets [1, N, 4], its .vtp file)`` in physical units
+        for every run of ``split`` (``train``, ``val`` or ``test`` of the config's split
+        file) under ``data_root``, one at a time; needs no training split."""
         options = dict(config.dataset_options)
         options.pop("test_split", None), options.pop("cells_per_step", None)
         root = Path(data_root)
@@ -386,7 +386,7 @@ class SurfaceTask(Task):
         for car in surfaces.cars(split):
             run = surfaces.load(car)
             x = np.concatenate([run.centres, run.normals], axis=1)[None]
-            yield car, x, np.asarray(run.fields)[None]
+            yield car, x, np.asarray(run.fields)[None], str(surfaces.vtp_path(car))
 
 
 def integrated_forces(fields_BN4: torch.Tensor, normals_BN3: torch.Tensor,
