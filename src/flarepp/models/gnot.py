@@ -44,6 +44,7 @@ from flarepp.mixers.base import check_tokens
 from flarepp.models.backbone import ModelConfig, ResidualMLP, init_backbone_weights
 from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import make_norm
+from flarepp.validate import require_choice
 
 
 GNOT_WIRINGS = ("flare-study", "query-stream")
@@ -66,9 +67,7 @@ class GNOTConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.wiring not in GNOT_WIRINGS:
-            raise ValueError(f"gnot: wiring must be one of {', '.join(GNOT_WIRINGS)}, "
-                             f"got {self.wiring!r}")
+        require_choice(self, "wiring", GNOT_WIRINGS, self.arch)
         if self.space_dim is not None and not 0 < self.space_dim <= self.in_dim:
             raise ValueError(f"gnot: space_dim must be in [1, in_dim={self.in_dim}], "
                              f"got {self.space_dim}")

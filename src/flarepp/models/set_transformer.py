@@ -37,6 +37,7 @@ from torch import nn
 from flarepp.models.backbone import BackboneConfig, SurrogateModel
 from flarepp.models.latent import merge_heads, split_heads
 from flarepp.ops import FUSED, AttentionBackend, make_norm
+from flarepp.validate import require_choice
 
 
 ROW_FF_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
@@ -53,9 +54,7 @@ class SetTransformerConfig(BackboneConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.row_ff_act not in ROW_FF_ACTIVATIONS:
-            raise ValueError(f"set-transformer: row_ff_act must be one of "
-                             f"{', '.join(ROW_FF_ACTIVATIONS)}, got {self.row_ff_act!r}")
+        require_choice(self, "row_ff_act", ROW_FF_ACTIVATIONS, self.arch)
 
 
 class MAB(nn.Module):

@@ -38,9 +38,9 @@ from flarepp.experiments.reports.common import Report, figure_module, fmt, markd
 from flarepp.experiments.reports.rows import Row, aggregate, csv_text
 from flarepp.io import atomic_write_text
 
-NOT_SETTINGS = ("mixer", "model.mixer", "seed", "data_root")
-"""Labels that are not settings: the mixer (``mixer`` is the config's), the seed and the
-data draw."""
+NOT_SETTINGS = ("mixer", "model.mixer", "model", "seed", "data_root")
+"""Labels that are not settings: the mixer (``mixer`` is the config's; a ``model`` axis,
+whole models as values, names the mixer or architecture too), the seed and the data draw."""
 
 MIXER_ORDER = ("flare", "flarepp", "flarepp-simple")
 """Mixers in this order first: ``flare`` is the default reference A, ``flarepp`` the
