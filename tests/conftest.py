@@ -9,7 +9,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py
 
-# Two xdist workers share two cores: one intra-op thread each.
+# Two xdist workers share two cores: one intra-op thread each, in this process and in the
+# processes tests start (a user's setting, so no run measures its threads: flarepp.threads).
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

@@ -53,6 +53,8 @@ def test_init_from_starts_at_the_source_weights_and_is_recorded(source, normaliz
     run = RunDir(out)
     assert read_checkpoint(run.latest_checkpoint())["init_from"] == record
     assert run.read_provenance()[-1]["init_from"] == record
+    # the suite's one thread per worker is a user's setting: kept, not measured
+    assert run.read_provenance()[-1]["threads"]["how"] == "set by OMP_NUM_THREADS"
 
 
 @pytest.mark.slow

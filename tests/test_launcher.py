@@ -119,7 +119,7 @@ def test_the_slurm_launcher_submits_one_job_array_with_the_resources_asked(tmp_p
                                                                           monkeypatch, capsys):
     """`--launcher slurm` submits one array of --workers tasks (at most --workers at once),
     each with the partition, time, GPUs, cores, account, qos and extra #SBATCH options asked,
-    SLURM's warning signal before the time limit, its cores as OMP_NUM_THREADS and its own
+    SLURM's warning signal before the time limit, its cores as FLAREPP_CORES and its own
     host id; without --wait it returns once submitted. A failure points to an option that
     does not reach sbatch."""
     bin_dir = tmp_path / "bin"
@@ -139,7 +139,7 @@ def test_the_slurm_launcher_submits_one_job_array_with_the_resources_asked(tmp_p
                  "--cpus-per-task=8", "--account=proj", "--qos=high", "--constraint=a100",
                  "--signal=USR2@90", "--nodes=1", "--ntasks-per-node=1"]:
         assert f"#SBATCH {line}\n" in script, line
-    assert "export OMP_NUM_THREADS=8\n" in script and "unset FLAREPP_HOST_ID\n" in script
+    assert "export FLAREPP_CORES=8\n" in script and "unset FLAREPP_HOST_ID\n" in script
     said = capsys.readouterr().out
     assert "started 3 slurm worker(s): job(s) 4242_0, 4242_1, 4242_2" in said
     assert (out / "study.json").is_file()

@@ -337,10 +337,12 @@ def test_trainer_writes_param_groups(tmp_path):
 @pytest.mark.slow
 def test_golden_darcy_tiny_curves(tmp_path):
     """The seeded darcy-tiny curves (FLARE++ and FLARE, tests/golden/darcy_tiny.json, made
-    by scripts/golden_darcy_tiny.py) are reproduced to a relative 1e-5: float noise moves
-    them by ~2e-8, the smallest protocol change by 1.4e-4 (see the script). A failure means
-    the training protocol, the model or the data generator changed: if intended, regenerate
-    the file and say why."""
+    by scripts/golden_darcy_tiny.py) are reproduced to the relative tolerance the file
+    states per curve and weights: 5x the spread measured over the CPU kernel choices
+    (ATEN_CPU_CAPABILITY, MKL_CBWR), so that another CPU passes, and below what the
+    smallest protocol change moves (see the script). A failure means the training
+    protocol, the model or the data generator changed: if intended, regenerate the file
+    and say why."""
     import importlib.util
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
@@ -349,13 +351,16 @@ def test_golden_darcy_tiny_curves(tmp_path):
     golden = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(golden)
     stored = json.loads((root / "tests" / "golden" / "darcy_tiny.json").read_text())
-    assert set(stored) == set(golden.CURVES)
+    rtol = stored.pop(golden.TOLERANCE)["rtol"]
+    assert set(stored) == set(golden.CURVES) == set(rtol)
     for name, extra in golden.CURVES.items():
         got = golden.golden_run(tmp_path, extra, run_name=name)
         assert got["overrides"] == stored[name]["overrides"]
         assert set(got) == set(stored[name])
         for key in sorted(set(got) - {"overrides"}):
-            np.testing.assert_allclose(got[key], stored[name][key], rtol=1e-5, err_msg=key)
+            np.testing.assert_allclose(got[key], stored[name][key],
+                                       rtol=rtol[name][golden.weights_of(key)],
+                                       err_msg=f"{name} {key}")
 
 
 def test_gradient_loss_refuses_a_target_constant_along_an_axis():

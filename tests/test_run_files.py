@@ -125,6 +125,8 @@ def test_run_dir_names_reads_and_writes_its_files(tmp_path):
     assert run.read_log() == [{"epoch": 1}]
     run.record_provenance({"a": 1}), run.record_provenance({"a": 2})
     assert [r["a"] for r in run.read_provenance()] == [1, 2]
+    run.amend_provenance({"threads": {"threads": 1}})  # measured once the run started
+    assert run.read_provenance() == [{"a": 1}, {"a": 2, "threads": {"threads": 1}}]
     run.write_failure(FloatingPointError("loss became nan"))
     assert run.read_failure() == {"error": "loss became nan", "type": "FloatingPointError"}
     run.write_cost({"epoch_seconds": 1.0})

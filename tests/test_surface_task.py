@@ -298,14 +298,22 @@ def _trained(trainer) -> dict:
 def test_context_parallel_training_equals_single_process(data, tmp_path):
     """2 gloo ranks splitting every step's cells (and every test surface) give the
     single-process step losses, weights and full-surface metric; a failure points to the
-    loss's token sums or the count."""
+    loss's token sums or the count.
+
+    The split sums in another order, and AdamW divides by |g| + 1e-8, so a gradient entry
+    near 0 carries the rounding into the weights at lr / 1e-8 times it: over the kernel
+    choices of an AMD EPYC (ATEN_CPU_CAPABILITY=default|avx2|avx512, MKL_CBWR=COMPATIBLE|
+    AVX2|AVX512) the weights differed by up to 9.1e-7 (1.35e-6 on an Intel Xeon), the
+    step losses by 8.3e-8 relative, the metric by 3.4e-9. The weights are held to 5x the
+    largest measured spread, 5e-6; an entry whose gradient has the wrong sign moves by
+    up to 2 lr = 6e-3 per step (AdamW's first steps are lr in size)."""
     reference = _trained(Trainer(config(data, epochs=1), tmp_path / "single", progress=False))
     results = run_on_ranks(_train_on_ranks, 2, data, str(tmp_path / "cp"), timeout_s=240)
     assert len(reference["losses"]) == 2
     for r in results:
         np.testing.assert_allclose(r["losses"], reference["losses"], rtol=1e-5)
         for name, value in reference["params"].items():
-            torch.testing.assert_close(r["params"][name], value, rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=5e-6,
                                        msg=lambda m, name=name: f"{name}: {m}")
         assert r["metrics"]["test_nmse"] == pytest.approx(reference["metrics"]["test_nmse"],
                                                           rel=1e-5)

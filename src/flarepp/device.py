@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -156,31 +157,44 @@ def cgroup_memory_bound(root: str | os.PathLike, membership: str) -> tuple[str, 
     ``root/memory``). The cgroup's directory and each ancestor's up to ``root`` is read; a
     limit bounds what its whole subtree uses, so the headroom is ``limit - (usage - inactive
     file pages)`` there, the smallest over the ancestry."""
-    root = Path(root)
     best: tuple[str, int] | None = None
+    for v2, folder in cgroup_folders(root, membership, "memory", ("memory",)):
+        files = (("memory.max", "memory.current", "inactive_file") if v2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        headroom = _cgroup_headroom(folder, *files)
+        if headroom is not None and (best is None or headroom < best[1]):
+            best = (f"the cgroup memory limit ({folder / files[0]})", headroom)
+    return best
+
+
+def cgroup_folders(root: str | os.PathLike, membership: str, controller: str,
+                   v1_mounts: tuple[str, ...]) -> Iterator[tuple[bool, Path]]:
+    """``(is_v2, folder)`` of this process's cgroup and each ancestor up to the mount, in
+    the v2 hierarchy (at ``root``) and in v1's hierarchy of ``controller`` (at the first of
+    ``root/v1_mounts`` that exists). ``membership`` is ``/proc/self/cgroup``'s text
+    (``hierarchy:controllers:path`` lines); a cgroup outside the mount's view (a namespace
+    shows it as ``/../..``) reads the mount's root."""
+    root = Path(root)
     for line in membership.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            base, files = root, ("memory.max", "memory.current", "inactive_file")
-        elif "memory" in controllers.split(","):
-            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                            "total_inactive_file")
+        v2 = hierarchy == "0" and controllers == ""
+        if v2:
+            base = root
+        elif controller in controllers.split(","):
+            base = next((root / m for m in v1_mounts if (root / m).is_dir()),
+                        root / v1_mounts[0])
         else:
             continue
         relative = Path(path.strip().lstrip("/"))
-        # a cgroup outside this mount's view (a namespace shows it as "/../..") reads the root
         folder = base if ".." in relative.parts else base / relative
         while True:
-            headroom = _cgroup_headroom(folder, *files)
-            if headroom is not None and (best is None or headroom < best[1]):
-                best = (f"the cgroup memory limit ({folder / files[0]})", headroom)
+            yield v2, folder
             if folder == base or base not in folder.parents:
                 break
             folder = folder.parent
-    return best
 
 
 def _cgroup_headroom(folder: Path, limit_file: str, usage_file: str,

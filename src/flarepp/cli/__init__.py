@@ -94,6 +94,14 @@ def at_least(low: int):
     return parse
 
 
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """``--threads N``: the run's intra-op threads, instead of the count it measures on its
+    first steps (:mod:`flarepp.threads`); applied by :func:`main` before the command."""
+    p.add_argument("--threads", dest="run_threads", type=at_least(1), metavar="N",
+                   help="CPU intra-op threads (default: the fastest count, timed on the "
+                        "run's first steps; OMP_NUM_THREADS is respected too)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flarepp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -119,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in COMPUTE_COMMANDS:
             from flarepp.allocator import apply_policy
             args.allocator = apply_policy()
+        if getattr(args, "run_threads", None):
+            from flarepp.threads import set_threads
+            set_threads(args.run_threads)
         return int(args.func(args) or 0)
     except TrainingInterrupted as err:
         print(f"flarepp {args.command}: {err}", file=sys.stderr)
@@ -140,5 +151,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["COMPUTE_COMMANDS", "CLIError", "at_least", "build_parser", "check_output", "main",
-           "parse_scalar"]
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "add_threads_argument", "at_least", "build_parser",
+           "check_output", "main", "parse_scalar"]

@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from flarepp.cli import add_threads_argument
+
 
 def _demo(args: argparse.Namespace) -> int:
     from flarepp.data.generators.darcy import make_darcy
@@ -42,4 +44,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="run directory (default: runs/demo-TIMESTAMP)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
     p.add_argument("--quiet", action="store_true")
+    add_threads_argument(p)
     p.set_defaults(func=_demo)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, at_least, check_output
+from flarepp.cli import CLIError, add_threads_argument, at_least, check_output
 from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 from flarepp.distributed.streaming import HIDDEN_ON
 
@@ -19,6 +19,7 @@ def _infer(args: argparse.Namespace) -> int:
     from flarepp.inference.infer import (geometry_case, predict_cases, read_cases,
                                          write_on_mesh, write_predictions)
     from flarepp.inference.predictor import load_predictor
+    from flarepp.threads import SHARED_BY_RANKS, ThreadTuner
     check_output(args.out, directory=False)
     if (args.data is None) == (args.geometry is None):
         raise CLIError("give the cases to predict: --data (a dataset, store or .npz) or "
@@ -34,6 +35,10 @@ def _infer(args: argparse.Namespace) -> int:
                                chunk_size=args.chunk_size).replace(
         hidden_on=args.hidden_on, memmap_dir=args.memmap_dir,
         progress=args.chunk_size is not None and not args.context_parallel)
+    predictor = predictor.replace(threads=ThreadTuner(
+        device=predictor.device, say=lambda line: print(line, file=sys.stderr),
+        skip="not measured: one streamed pass" if args.chunk_size else
+        SHARED_BY_RANKS if args.context_parallel else None))
     if args.compile:
         from flarepp.models.backbone import compile_model
         compile_model(predictor.model)
@@ -128,4 +133,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=PRECISIONS, help=PRECISION_HELP)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before a stuck collective fails (--context-parallel)")
+    add_threads_argument(p)
     p.set_defaults(func=_infer)

@@ -31,8 +31,8 @@ def add_launcher_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-task", type=at_least(0), metavar="G",
                    help="GPUs of each worker (local: GPUs i*G..(i+1)*G-1 of worker i)")
     g.add_argument("--cpus-per-task", type=at_least(1), metavar="C",
-                   help="SLURM cores of each worker, its OMP_NUM_THREADS (local workers get "
-                        "an equal share of this machine's cores)")
+                   help="SLURM cores of each worker, within which it times its threads "
+                        "(local workers get an equal share of this machine's cores)")
     g.add_argument("--sbatch", action="append", metavar="KEY=VALUE",
                    help="another #SBATCH option, e.g. constraint=a100 (repeatable)")
     g.add_argument("--wait", action="store_true",

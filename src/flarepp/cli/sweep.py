@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, at_least
+from flarepp.cli import CLIError, add_threads_argument, at_least
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
@@ -193,4 +193,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tracking_arguments(p)
     from flarepp.cli.launcher import add_launcher_options
     add_launcher_options(p)
+    add_threads_argument(p)
     p.set_defaults(func=_sweep)

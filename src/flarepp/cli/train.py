@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, at_least, check_output
+from flarepp.cli import CLIError, add_threads_argument, at_least, check_output
 from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 
 
@@ -95,7 +95,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         check_output(args.json, directory=False, option="--json")
     metrics = evaluate_checkpoint(args.checkpoint, data_root=args.data, device=args.device,
-                                  chunk_size=args.chunk_size, precision=args.precision)
+                                  chunk_size=args.chunk_size, precision=args.precision,
+                                  say=lambda line: print(line, file=sys.stderr))
     if args.json:
         atomic_write_json(Path(args.json), metrics)
     print(json.dumps(metrics, indent=2))
@@ -190,6 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("run_dir")
     g.add_argument("--cases", type=at_least(0), default=3,
                    help="prediction figures to draw (default 3)")
+    add_threads_argument(p)
     g.add_argument("--device", default="auto",
                    help=DEVICE_HELP + "; used only for a run stopped before its end, whose "
                    "test outputs are predicted from its newest checkpoint first")
@@ -200,3 +202,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("presets", help="list the training presets")
     s.set_defaults(func=lambda a: print("\n".join(
         f"{n:22s} {PRESETS.entry(n).doc}" for n in PRESETS.names())) or 0)
+    add_threads_argument(e)

@@ -6,11 +6,11 @@ shared study directory; the claims decide which worker trains which point, so th
 only decides how many workers run, where, and with which resources.
 
 * ``local`` -- ``workers`` processes on this machine (submitit's local executor: real
-  processes, the same path a SLURM task takes), each with ``OMP_NUM_THREADS`` set to its
-  share of the usable cores and, given ``gpus_per_task``, its own GPUs (without it, the
-  GPUs this process sees);
+  processes, the same path a SLURM task takes), each with ``FLAREPP_CORES`` set to its
+  share of the usable cores (within which it times its threads, :mod:`flarepp.threads`)
+  and, given ``gpus_per_task``, its own GPUs (without it, the GPUs this process sees);
 * ``slurm`` -- one job array of ``workers`` tasks (``sbatch``), each task one node, one
-  process, ``cpus_per_task`` cores (its ``OMP_NUM_THREADS``) and ``gpus_per_task`` GPUs.
+  process, ``cpus_per_task`` cores (its ``FLAREPP_CORES``) and ``gpus_per_task`` GPUs.
 
 Preemption and time limits: submitit asks SLURM to send SIGUSR2 ``signal_delay_s`` before a
 job's end. The trainer stops on it after the current step and writes a checkpoint
@@ -35,6 +35,7 @@ from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, 
                                         run_study)
 from flarepp.registry import Registry
 from flarepp.storage.locks import GRACE_S, HOST_ENV
+from flarepp.threads import CORES_ENV, usable_cores, worker_share
 
 LOCAL_TIME_MIN = 60 * 24 * 365
 """The local executor's time limit when none is given: none in practice."""
@@ -116,13 +117,6 @@ def _preemption_handler() -> tuple[int, Callable[..., Any]] | None:
     return (signum, handler) if callable(handler) else None
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _submitit():
     try:
         import submitit
@@ -137,7 +131,8 @@ LAUNCHERS: Registry = Registry("launcher")
 @LAUNCHERS.register("local", doc="worker processes on this machine (submitit's local executor)")
 def local_jobs(spec: LaunchSpec, folder: Path, worker: StudyWorker) -> list[Any]:
     executor = _submitit().LocalExecutor(folder)
-    setup = [f"export OMP_NUM_THREADS={max(1, usable_cores() // spec.workers)}"]
+    # each worker times its threads within its share (flarepp.threads)
+    setup = [f"export {CORES_ENV}={worker_share(spec.workers, usable_cores())}"]
     gpus = spec.gpus_per_task
     if not gpus:  # submitit would hide every GPU: the workers see what this process sees
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -166,7 +161,7 @@ def slurm_jobs(spec: LaunchSpec, folder: Path, worker: StudyWorker) -> list[Any]
         array_parallelism=spec.workers, additional_parameters=dict(spec.sbatch),
         # each task names its own host: an id exported from the submitting shell would
         # make every node judge the others' pids as its own
-        setup=[f"export OMP_NUM_THREADS={threads}", f"unset {HOST_ENV}"], **options)
+        setup=[f"export {CORES_ENV}={threads}", f"unset {HOST_ENV}"], **options)
     return executor.submit_array([worker] * spec.workers)
 
 

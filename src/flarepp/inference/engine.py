@@ -21,6 +21,7 @@ from flarepp.device import autocast
 from flarepp.distributed.encoder import global_sum
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.tasks.base import Batch, Task, gather_records
+from flarepp.threads import ThreadTuner
 from flarepp.inference.batching import eval_keys, make_loader, to_device, to_device_prefetched
 
 from flarepp.inference.predictor import Predictor, predict_tokens, shard_tokens  # noqa: F401
@@ -40,6 +41,7 @@ class Engine:
                              f"{task.name!r} has no token axis")
         self.task, self.device, self.precision = task, torch.device(device), precision
         self.plan, self.chunk_size, self.workers = plan, chunk_size, workers
+        self.threads: ThreadTuner | None = None  # set: each prediction's forward is timed
 
     # -- token sharding ------------------------------------------------------------------
     def token_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,7 @@ class Engine:
         return Predictor(model, inputs=maps.get("x"), outputs=maps.get("y"),
                          conditions=maps.get("conditions"), device=self.device,
                          precision=self.precision, plan=self.plan, chunk_size=self.chunk_size,
-                         token_keys=self.task.token_keys,
+                         token_keys=self.task.token_keys, threads=self.threads,
                          forward=lambda b: self.task.forward(model, b))
 
     def predict(self, model: nn.Module, batch: Batch) -> torch.Tensor:

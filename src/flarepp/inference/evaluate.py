@@ -19,7 +19,7 @@ ones, whose EMA copy still weighs the early weights.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,7 @@ from flarepp.tasks import Task, build_task
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
 from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
+from flarepp.threads import SHARED_BY_RANKS, ThreadTuner, thread_budget
 
 
 def run_data(state: dict[str, Any], config: RunConfig) -> str:
@@ -82,9 +83,12 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
                         device: str | torch.device | None = "auto",
                         chunk_size: int | None = None, parallel: ParallelPlan = SINGLE,
                         splits: tuple[str, ...] | None = None,
-                        precision: str | None = None) -> dict[str, Any]:
+                        precision: str | None = None,
+                        say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Metrics of a checkpoint's raw and EMA weights, keyed as in ``metrics.json``
-    (:func:`weight_metrics`; the headline is the run's ``eval_weights``).
+    (:func:`weight_metrics`; the headline is the run's ``eval_weights``), and the CPU
+    threads it ran with (``threads``: timed on its first forwards, :mod:`flarepp.threads`;
+    ``say`` receives the line that names them).
 
     ``precision`` (``fp32``, ``bf16``, ``fp16``) runs the model under that autocast instead
     of the run's own (``config.precision``): e.g. an FP32-trained model evaluated with BF16
@@ -102,6 +106,11 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
         from flarepp.distributed import context_parallel
         for each in models.values():
             context_parallel(each, parallel.cp_group)
+    forwards = sum(-(-task.num_samples(split) // task.eval_batch_size())
+                   for split in splits or task.eval_splits) * (1 if config.ema_decay == 0 else 2)
+    engine.threads = ThreadTuner(steps=forwards, budget=thread_budget(engine.workers),
+                                 device=device, say=say,
+                                 skip=SHARED_BY_RANKS if parallel.mesh is not None else None)
     metrics: dict[str, Any] = {}
     for split in splits or task.eval_splits:
         results = evaluate_weights(engine, split, task.eval_batch_size(), models,
@@ -114,7 +123,9 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     metrics.update({"eval_weights": config.eval_weights, "precision": precision,
                     "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),
-                    "device": str(device), "checkpoint": str(path)})
+                    "device": str(device), "checkpoint": str(path),
+                    "threads": engine.threads.choice.record() if engine.threads.choice
+                    else {"threads": torch.get_num_threads(), "how": "being measured"}})
     return metrics
 
 

@@ -25,6 +25,7 @@ trainer steps on, with the same stored maps), so they enter at :meth:`Predictor.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +40,7 @@ from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.distributed.parallel import gather_tokens, shard_slice
 from flarepp.distributed.streaming import stream_forward
 from flarepp.tasks.base import Batch
+from flarepp.threads import ThreadTuner
 
 
 class PredictorError(ValueError):
@@ -146,7 +148,8 @@ class Predictor:
     sample's hidden state (:func:`~flarepp.distributed.stream_forward`); ``forward`` the
     model call on a device batch (default ``model(x, mask=mask)``, with ``conditioning``
     when the batch holds it); ``layout`` what the inputs are (:class:`InputLayout`);
-    ``config`` the run's :class:`~flarepp.storage.config.RunConfig` when loaded from a run.
+    ``config`` the run's :class:`~flarepp.storage.config.RunConfig` when loaded from a run;
+    ``threads`` times each forward to choose the CPU threads (:mod:`flarepp.threads`).
     """
 
     def __init__(self, model: nn.Module, *, inputs: Normalizer | None = None,
@@ -157,7 +160,7 @@ class Predictor:
                  forward: Callable[[Batch], torch.Tensor] | None = None,
                  hidden_on: str = "auto", memmap_dir: str | None = None,
                  progress: bool = False, layout: InputLayout | None = None,
-                 config: Any = None) -> None:
+                 config: Any = None, threads: ThreadTuner | None = None) -> None:
         amp_dtype(precision)  # refuses an unknown precision, naming the known ones
         self.model = model
         self.inputs, self.outputs, self.conditions = inputs, outputs, conditions
@@ -166,13 +169,15 @@ class Predictor:
         self.precision, self.plan, self.chunk_size = precision, plan, chunk_size
         self.token_keys, self.hidden_on, self.memmap_dir = token_keys, hidden_on, memmap_dir
         self.progress, self.layout, self.config = progress, layout, config
+        self.threads = threads
         self._forward = forward
 
     def replace(self, **changes: Any) -> "Predictor":
         """A predictor with some settings changed (the same model and maps)."""
         settings = {k: getattr(self, k) for k in (
             "inputs", "outputs", "conditions", "device", "precision", "plan", "chunk_size",
-            "token_keys", "hidden_on", "memmap_dir", "progress", "layout", "config")}
+            "token_keys", "hidden_on", "memmap_dir", "progress", "layout", "config",
+            "threads")}
         return Predictor(self.model, forward=self._forward, **{**settings, **changes})
 
     def to(self, device: str | torch.device) -> "Predictor":
@@ -229,7 +234,8 @@ class Predictor:
         under autocast (:func:`predict_tokens`)."""
         shard = shard_tokens(batch, self.plan, self.token_keys)
         custom = self._forward is not None or "conditioning" in batch
-        with autocast(self.precision, self.device):
+        timed = self.threads.step() if self.threads is not None else contextlib.nullcontext()
+        with timed, autocast(self.precision, self.device):
             return predict_tokens(self.model, shard, device=self.device,
                                   chunk_size=self.chunk_size, group=self.plan.cp_group,
                                   forward=self.forward if custom else None,

@@ -205,6 +205,14 @@ class RunDir:
         path = self.path / self.PROVENANCE
         return read_json(path)["sessions"] if path.is_file() else []
 
+    def amend_provenance(self, facts: dict[str, Any]) -> Path:
+        """Add ``facts`` to this process's entry of ``provenance.json`` (the last one),
+        e.g. what was measured once the run started."""
+        path = self.path / self.PROVENANCE
+        sessions = read_json(path)["sessions"] if path.is_file() else [{}]
+        return atomic_write_json(path, {"sessions": [*sessions[:-1],
+                                                     {**sessions[-1], **facts}]})
+
     # -- what the study engine writes into a run directory ---------------------------------
     def write_failure(self, error: BaseException) -> Path:
         return atomic_write_json(self.path / self.FAILED,

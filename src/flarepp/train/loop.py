@@ -57,6 +57,7 @@ from flarepp.data.fingerprint import check_same_data
 from flarepp.storage.rundir import RunDir, RunLock, provenance
 from flarepp.train.callbacks import Callbacks, TrainerCallback, TrainingPruned
 from flarepp.train.checks import check_run_config
+from flarepp.threads import SHARED_BY_RANKS, ThreadTuner, thread_budget
 
 
 HOST_SYNC_EVERY = 16
@@ -203,6 +204,7 @@ class Trainer:
         self.epoch = 0
         self.history: list[dict[str, Any]] = []
         self.step_losses: list[float] = []
+        self.threads: ThreadTuner | None = None  # measured on the first steps trained
         self._resume_progress: dict[str, Any] | None = None
         self._stop_signal: int | None = None
         if found is not None:
@@ -406,8 +408,11 @@ class Trainer:
                    initial=done, desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
                    disable=not (self.progress and show_progress_bars(True)))
         pending: list[torch.Tensor] = []
+        if self.threads is None:
+            self.threads = self._thread_tuner()
         for micro, weight in bar:
-            pending.append(self.train_step(micro, weight))
+            with self.threads.step():
+                pending.append(self.train_step(micro, weight))
             step = len(self.step_losses) + len(pending)
             at_sync = step % HOST_SYNC_EVERY == 0
             if at_sync:
@@ -532,6 +537,8 @@ class Trainer:
                 [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
                 **({"init_from": self.init_record} if self.init_record else {})))
             self.hooks.run_start(c, self.out_dir, self.epoch)
+        self.threads = self.threads or self._thread_tuner()
+        recorded = None
         done_now = 0
         while self.epoch < c.epochs:
             latents = None
@@ -549,6 +556,10 @@ class Trainer:
                       "step_losses": list(self.step_losses)}
             if latents is not None:
                 record["latents"] = latents
+            record["threads"] = torch.get_num_threads()
+            if self.is_writer and self.threads.choice not in (None, recorded):
+                recorded = self.threads.choice
+                self.run.amend_provenance({"threads": recorded.record()})
             split = self.task.eval_splits[0]
             key = f"{split}_{headline}"
             if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
@@ -581,6 +592,16 @@ class Trainer:
             if stopping and self.epoch < c.epochs:
                 return None
         return self.finish()
+
+    def _thread_tuner(self) -> ThreadTuner:
+        """The run's intra-op threads, measured on its first steps (:mod:`flarepp.threads`);
+        a multi-process run keeps the count its launcher gave each rank."""
+        c = self.config
+        steps = (c.epochs - self.epoch) * self.steps_per_epoch
+        say = (lambda line: print(line, flush=True)) if self.progress else None
+        return ThreadTuner(steps=steps, budget=thread_budget(self.engine.workers),
+                           device=self.device, say=say,
+                           skip=SHARED_BY_RANKS if self.plan.mesh is not None else None)
 
     def _callback_stop(self, record: dict[str, Any]) -> str | None:
         """Whether a callback asks to stop after this epoch (its sentence); with several

@@ -1,0 +1,37 @@
+"""``flarepp bench threads``: step time at each CPU thread count, and the count a run picks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def _bench_threads(args: argparse.Namespace) -> int:
+    from flarepp.bench.threads import format_header, run_threads_bench
+    from flarepp.io import atomic_write_json
+    from flarepp.threads import candidates, thread_budget, usable_cores
+    counts = candidates(thread_budget())
+    print(f"one training step per case, {args.rounds} interleaved rounds, medians; "
+          f"{usable_cores()} usable core(s); load average {os.getloadavg()[0]:.2f}")
+    print(format_header(counts))
+    rows = run_threads_bench(args.resolutions, args.n, rounds=args.rounds)
+    if args.json:
+        atomic_write_json(Path(args.json), rows)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from flarepp.cli.bench import _sizes, bench_subparsers
+    from flarepp.cli import at_least
+    p = bench_subparsers(sub).add_parser(
+        "threads", help="training step time at each CPU thread count (darcy-tiny, the Table "
+                        "7 surrogate) beside the count a run would choose")
+    p.add_argument("--resolutions", type=lambda t: [int(r) for r in t.split(",")],
+                   default=[22, 85], metavar="R1,R2", help="darcy-tiny grid sides")
+    p.add_argument("--n", type=_sizes, default=[16384],
+                   help="points of the Table 7 surrogate, e.g. 16k")
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--json", help="also write the rows here")
+    p.set_defaults(func=_bench_threads)
