@@ -220,9 +220,10 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_reuse_checks_the_data_fingerprint(tmp_path):
     """A finished point is reused only while the data at its path is the data it was
-    trained on: after the data is regenerated there, the rerun does not reuse it and
-    leaves it pending with the mismatch (resumable: nothing is thrown away); with the data
-    restored it is reused again. Before: the stale result was reported as current."""
+    trained on: after the data is regenerated there, the rerun does not reuse it: it keeps
+    the old run under superseded/ (nothing is thrown away) and trains the point afresh
+    (resuming its checkpoints refused the new data at every rerun). Before: the stale
+    result was reported as current."""
     data = _npz(tmp_path / "d.npz")
     out = tmp_path / "sw"
     study = sweep_study("npz", parse_axes(["seed=0"]), data=str(data),
@@ -231,13 +232,14 @@ def test_reuse_checks_the_data_fingerprint(tmp_path):
     assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
     original = data.read_bytes()
     _npz(data, seed=1)  # regenerated at the same path
-    done = run_study(study, out, **QUIET)
-    assert done["error"] == ["seed-0"] and done["reused"] == []
     (row,) = collect(out)[1]
-    assert row.status == "done"  # its own result, but the rerun said why it is not reused
-    assert any("DataMismatch" in (e.get("error") or "") for e in read_events(out))
-    data.write_bytes(original)
+    assert row.status == "pending" and "reuse: the run was trained on the data" in row.error
+    done = run_study(study, out, **QUIET)
+    assert done["finished"] == ["seed-0"] and done["reused"] == []
+    assert len(list((out / "superseded" / "seed-0").iterdir())) == 1
     assert run_study(study, out, **QUIET)["reused"] == ["seed-0"]
+    data.write_bytes(original)
+    assert run_study(study, out, **QUIET)["finished"] == ["seed-0"]
 
 
 @pytest.mark.slow

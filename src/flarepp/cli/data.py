@@ -25,10 +25,14 @@ def _make(args: argparse.Namespace) -> int:
                           seed=args.seed, progress=not args.quiet, overwrite=args.overwrite)
     except (ModuleNotFoundError, FileExistsError) as err:
         raise CLIError(str(err)) from err
-    except MemoryError as err:
+    except (MemoryError, ValueError) as err:
         from flarepp.device import available_memory
+        if isinstance(err, ValueError) and not str(err).startswith("array is too big"):
+            raise  # only numpy's refusal of an array larger than any address space
         need = getattr(err, "_total_size", None)   # numpy's _ArrayMemoryError knows it
         what = (f"an array of {need / 2**30:.1f} GiB" if need
+                else f"an array of more than {2**63 / 2**30:.3g} GiB (more than a 64-bit "
+                     "address space holds)" if isinstance(err, ValueError)
                 else "more memory than is available")
         raise MemoryError(f"{args.dataset} at --resolution {resolution} needs {what}, and "
                           f"{available_memory() / 2**30:.1f} GiB is available; choose a "

@@ -7,6 +7,7 @@ here (:mod:`flarepp.experiments.launch` starts the workers).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -49,8 +50,9 @@ def launch_spec(args: argparse.Namespace, runtime: list[str]):
     from flarepp.experiments.launch import LaunchSpec
     from flarepp.storage.locks import GRACE_S
     grace = GRACE_S if args.claim_grace is None else args.claim_grace
-    if not grace > 0:
-        raise CLIError(f"--claim-grace must be > 0 seconds, got {args.claim_grace}")
+    if not 0 < grace < math.inf:  # inf: the heartbeat's wait overflowed in its thread
+        raise CLIError(f"--claim-grace must be a finite number of seconds > 0, got "
+                       f"{args.claim_grace}")
     if args.launcher is None:
         given = [o for o in LAUNCH_OPTIONS if getattr(args, o) not in (None, False)]
         if given:
@@ -73,6 +75,7 @@ def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool,
     """Launch ``spec``'s workers on ``study`` in ``out`` (``track``: where they track their
     runs); say what they did (exit 1 when a point is left pending or a worker died, 0
     otherwise)."""
+    from flarepp.experiments.engine import continue_command
     from flarepp.experiments.launch import launch
     from flarepp.experiments.reports import write_report
     from flarepp.experiments.studies import open_any_study
@@ -92,7 +95,7 @@ def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool,
         print(line, file=sys.stderr)
     if states["pending"]:
         print(f"points left pending: {', '.join(states['pending'])}; their state is kept: "
-              f"launch again (or run `{study.continue_with}`) to finish them",
+              f"launch again (or run `{continue_command(out)}`) to finish them",
               file=sys.stderr)
     if report:
         print("\n".join(str(p) for p in write_report(out).values()))

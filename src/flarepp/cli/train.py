@@ -103,6 +103,21 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_own_checkpoint(run, path: Path, state: dict) -> None:
+    """Refuse to predict ``run``'s outputs from a checkpoint another run wrote (copied into
+    its ``checkpoints/``): its stored config must compute what ``run``'s stored config does
+    (runtime fields and the data's path aside)."""
+    from flarepp.storage.checkpoint import CheckpointError
+    from flarepp.storage.config import RunConfig
+    mine, its = ({k: v for k, v in c.identity().items() if k != "data_root"}
+                 for c in (run.read_config(), RunConfig.from_stored(state["config"])))
+    keys = sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k))
+    if keys:
+        raise CheckpointError(f"{str(path)!r} is not {str(run.path)!r}'s checkpoint: its "
+                              f"{', '.join(keys)} differ from the run's config "
+                              f"({run.config_path}); nothing is predicted from it")
+
+
 def _plot(args: argparse.Namespace) -> int:
     from flarepp.storage.rundir import RunDir
     from flarepp.tasks import plot_run_dir
@@ -116,6 +131,7 @@ def _plot(args: argparse.Namespace) -> int:
         if found.path is None:
             raise CLIError(f"{str(run_dir)!r} has no finished outputs and no readable "
                            "checkpoint to predict them from")
+        check_own_checkpoint(RunDir(run_dir), found.path, found.state)
         metrics = write_checkpoint_outputs(found.path, run_dir, device=args.device,
                                            chunk_size=args.chunk_size)
         shown = ", ".join(f"{k} {v:.6g}" for k, v in metrics.items())

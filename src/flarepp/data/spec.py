@@ -97,6 +97,14 @@ class SplitSpec:
                 if len(rest) > 1 else []
             test = [rest[i] for i in held]
         train = [n for n in rest if n not in set(test)]
+        if self.test is not None and not test and rest:
+            raise SpecError(f"split.test (--test-pattern) {self.test!r} matches none of the "
+                            f"{len(rest)} cases (e.g. {rest[0]!r}): the store would have no "
+                            "test split")
+        if not train and names:
+            raise SpecError(f"the split leaves no training case: of the {len(names)} cases "
+                            f"{len(val)} match split.val and {len(test)} are test cases "
+                            f"(split.test {self.test!r}, --test-pattern)")
         out = {"train": train, "test": test}
         if val:
             out["val"] = val

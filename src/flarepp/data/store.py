@@ -203,8 +203,9 @@ class StoreWriter:
                 raise DataError(f"{self.root} is not empty and holds no store "
                                 f"({CONVERT_RECORD}); give an empty or new directory")
             previous = self._read_record()
+            started = any(p.name != CONVERT_RECORD for p in self.root.iterdir())
             if previous != self.identity:
-                if not overwrite:
+                if not overwrite and started:  # a store of no sample yet is nothing to lose
                     changed = sorted(k for k in set(previous or {}) | set(self.identity)
                                      if (previous or {}).get(k) != self.identity.get(k))
                     raise DataError(f"{self.root} holds a store made otherwise (differs in "

@@ -26,15 +26,16 @@ report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its direc
 One rule for "finished with this config" (:func:`point_state`): the run directory holds
 ``metrics.json``, its stored config computes what the point's config computes (runtime
 fields and the data's path aside) and its checkpoint's data fingerprint equals that of the
-data at the point's ``data_root`` now (:mod:`flarepp.data.fingerprint`); a finished run of
-another config is an error, never a stale table entry; a finished run of other data is
-not reused.
+data at the point's ``data_root`` now (:mod:`flarepp.data.fingerprint`), read from its
+newest readable checkpoint; a finished run of another config is an error, never a stale
+table entry; a run of other data (finished or not) is not reused or resumed: it is moved to
+``superseded/<point>/`` and the point trains afresh (:func:`set_aside`).
 
 One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
 is final -- ``failed.json`` records it, the point is not retried, the report shows it; so is
 a run a callback pruned (an adaptive search's pruner: ``pruned.json``, its state
 checkpointed).
-Anything else (a full disk, a locked run directory, other data at the path, CUDA out of
+Anything else (a full disk, a locked run directory, data that cannot be read, CUDA out of
 memory, a bug) is recorded as an ``error`` event and leaves the point resumable from its
 checkpoints: the next run of the study retries it once the cause is fixed.
 """
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from flarepp.io import atomic_write_json
+from flarepp.io import UnreadableFile, atomic_write_json, read_json
 from flarepp.storage.config import RunConfig
 from flarepp.storage.locks import (GRACE_S, LOCK_NAME, Lease, LockHolder, RunLock, RunLocked,
                                    file_safe, host_id)
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
     from flarepp.train.tracking import TrackSettings
 
 STUDY_NAME = "study.json"
+STUDY_LOCK_WAIT_S = 60.0  # the study's lock is held for milliseconds by a live holder
+SUPERSEDED_DIR = "superseded"  # runs of data no longer at a point's path, kept
 EVENTS_DIR = "events"
 EVENTS_NAME = "events.jsonl"  # the single log of a study an earlier flarepp started
 FAILED_NAME = RunDir.FAILED
@@ -125,6 +128,8 @@ class Study:
             raise ValueError("a study needs at least one point")
         if len(set(names)) != len(names):
             raise ValueError(f"repeated point names in {names}")
+        for name in names:
+            check_point_name(name)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "reports": self.reports,
@@ -140,10 +145,52 @@ class Study:
 
     def identity(self) -> dict[str, Any]:
         """What the study computes: its points' names, labels and config identities (runtime
-        fields, facts and messages aside)."""
+        fields, facts, messages and the points' order aside)."""
         return json.loads(json.dumps({
             "kind": self.kind, "timing_epochs": self.timing_epochs,
-            "points": [[p.name, p.labels, p.config.identity()] for p in self.points]}))
+            "points": sorted([p.name, p.labels, p.config.identity()] for p in self.points)}))
+
+
+def check_point_name(name: Any) -> None:
+    """A point's name is its run directory under ``runs/`` and its claim under ``claims/``:
+    a relative path of plain parts, never one that leaves the study (``../x``, ``/x``)."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
+        raise ValueError(f"point name {name!r} is not a relative path inside the study "
+                         "(parts separated by '/', none empty, '.' or '..')")
+
+
+def _point_key(point: Point) -> str:
+    return json.dumps([point.labels, point.config.identity()], sort_keys=True, default=str)
+
+
+def same_point_names(study: Study, stored: Study) -> Study:
+    """``study`` with each point that ``stored`` holds under another name (the same labels
+    and config: a grid's axes or values given in another order) renamed to the stored name,
+    so its finished run counts."""
+    names = {_point_key(p): p.name for p in stored.points}
+    return dataclasses.replace(study, points=[
+        dataclasses.replace(p, name=names.get(_point_key(p), p.name)) for p in study.points])
+
+
+def read_study(out_dir: str | Path) -> Study:
+    """The study stored in ``out_dir/study.json``, its ``continue_with`` naming ``out_dir``
+    (where it is now, wherever it was made); a file that is not a study (cut short, edited by
+    hand) is :class:`~flarepp.io.UnreadableFile` naming it and what is wrong."""
+    path = Path(out_dir) / STUDY_NAME
+    stored = read_json(path)
+    try:
+        if not isinstance(stored, dict):
+            raise TypeError(f"it holds a JSON {type(stored).__name__}, not an object")
+        if not isinstance(stored.get("points"), list) or not all(
+                isinstance(p, dict) for p in stored["points"]):
+            raise TypeError("its 'points' is not a list of point objects")
+        study = Study.from_dict(stored)
+    except KeyError as err:
+        raise UnreadableFile(f"{path}: not a study: key {err} is missing") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise UnreadableFile(f"{path}: not a study: {err}") from None
+    return dataclasses.replace(study, continue_with=continue_command(out_dir))
 
 
 def resolve_paths(study: Study, out_dir: Path) -> Study:
@@ -159,7 +206,18 @@ def resolve_paths(study: Study, out_dir: Path) -> Study:
 def study_lock(out_dir: Path) -> Iterator[None]:
     """The lease ``out_dir/.study.lock``, waited for (it is held for milliseconds): the
     creation and growth of ``study.json``, and an adaptive search's trial bookkeeping."""
-    lease = Lease(out_dir / ".study.lock", heartbeat=False).wait(timeout_s=60)
+    lock = Lease(out_dir / ".study.lock", heartbeat=False)
+    try:
+        lease = lock.acquire()
+    except RunLocked as err:  # said, then waited for: a stopped holder (Ctrl-Z) keeps it
+        print(f"flarepp: waiting up to {STUDY_LOCK_WAIT_S:.0f} s for {err}", file=sys.stderr,
+              flush=True)
+        try:
+            lease = lock.wait(timeout_s=STUDY_LOCK_WAIT_S)
+        except RunLocked as still:
+            raise RunLocked(f"waited {STUDY_LOCK_WAIT_S:.0f} s for the study's lock: {still}; "
+                            "resume or end that process (a stopped one: `kill -CONT` it)"
+                            ) from None
     try:
         yield
     finally:
@@ -174,15 +232,16 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
     study = resolve_paths(study, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with study_lock(out_dir):
-        path = out_dir / STUDY_NAME
-        stored = Study.from_dict(json.loads(path.read_text())) if path.exists() else None
+        stored = read_study(out_dir) if (out_dir / STUDY_NAME).exists() else None
+        if stored is not None:
+            study = same_point_names(study, stored)
         if stored is None or _grows(study, stored):
             store_study(out_dir, study)
             return study
     if stored.identity() != study.identity():
         raise StudyConflict(f"{str(out_dir)!r} holds another study ({_difference(stored, study)});"
-                            f" continue it with `{stored.continue_with}`, ask for all of its "
-                            "points (and more, to grow it) or choose another --out")
+                            f" continue it with `{continue_command(out_dir)}`, ask for all of "
+                            "its points (and more, to grow it) or choose another --out")
     return stored
 
 
@@ -230,7 +289,7 @@ def open_study(out_dir: str | Path) -> Study:
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist: no study was started in "
                                 f"{str(out_dir)!r}")
-    return Study.from_dict(json.loads(path.read_text()))
+    return read_study(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,11 +360,12 @@ def point_claim(out_dir: str | Path, name: str, *, grace_s: float = GRACE_S) -> 
 class PointState:
     """``status``: ``done``, ``failed`` (numerically, final), ``pruned`` (stopped by a
     pruner, final) or ``pending``; ``error``: why a failed point failed or a pruned one was
-    pruned, or why a finished run is not reused."""
+    pruned, or why a finished run is not reused (or an unfinished one not resumed)."""
 
     status: str
     metrics: dict[str, Any] | None = None
     error: str | None = None
+    other_data: bool = False  # the run's checkpoints are of other data than at its path now
 
 
 def read_failure(directory: Path) -> dict[str, Any] | None:
@@ -334,12 +394,27 @@ class DataFingerprints:
 
 
 def stored_fingerprint(directory: Path) -> dict[str, Any] | None:
-    """The data fingerprint stored in a run's newest checkpoint (None without one)."""
-    from flarepp.storage.checkpoint import checkpoints_newest_first, read_checkpoint
-    found = checkpoints_newest_first(directory)
-    if not found:
+    """The data fingerprint stored in a run's newest readable checkpoint (an unreadable newer
+    one is passed over, as ``--resume`` does); None without a readable one."""
+    from flarepp.storage.checkpoint import newest_readable_checkpoint
+    found = newest_readable_checkpoint(directory)
+    if found.state is None:
         return None
-    return read_checkpoint(found[0]).get("data", {}).get("identity") or {}
+    return found.state.get("data", {}).get("identity") or {}
+
+
+def _other_data(stored_data: dict[str, Any] | None, config: RunConfig,
+                fingerprint: Callable[[RunConfig], dict[str, Any]]) -> str | None:
+    """Why a run whose checkpoint stores ``stored_data`` is of other data than ``config``'s
+    path holds now, or None (the same data, or nothing stored to compare)."""
+    from flarepp.data.fingerprint import DataMismatch, check_same_data
+    if not stored_data:
+        return None
+    try:
+        check_same_data(stored_data, fingerprint(config), what="reuse")
+    except DataMismatch as err:
+        return str(err)
+    return None
 
 
 def point_state(out_dir: Path, point: Point,
@@ -361,16 +436,13 @@ def point_state(out_dir: Path, point: Point,
         metrics = run.read_metrics()
         if fingerprint is None:
             return PointState("done", metrics)
-        from flarepp.data.fingerprint import DataMismatch, check_same_data
         stored_data = stored_fingerprint(directory)
         if stored_data is None:
-            return PointState("pending", error="the finished run has no checkpoint to check "
-                                               "its data against")
-        if stored_data:
-            try:
-                check_same_data(stored_data, fingerprint(point.config), what="reuse")
-            except DataMismatch as err:
-                return PointState("pending", error=str(err))
+            return PointState("pending", error="the finished run has no readable checkpoint "
+                                               "to check its data against")
+        other = _other_data(stored_data, point.config, fingerprint)
+        if other is not None:
+            return PointState("pending", error=other, other_data=True)
         return PointState("done", metrics)
     failure = read_failure(directory)
     if failure is not None:
@@ -378,6 +450,10 @@ def point_state(out_dir: Path, point: Point,
     pruned = RunDir(directory).read_pruned()
     if pruned is not None:
         return PointState("pruned", error=pruned["reason"])
+    other = (None if fingerprint is None
+             else _other_data(stored_fingerprint(directory), point.config, fingerprint))
+    if other is not None:  # resuming it would refuse the data at every rerun
+        return PointState("pending", error=other, other_data=True)
     return PointState("pending")
 
 
@@ -540,6 +616,8 @@ def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = 
                 _take_over(out_dir, point, claim.stale, log, tag)
             if now.error:
                 log(f"{tag}: not reused: {now.error}")
+            if now.other_data:
+                set_aside(out_dir, point, log, tag)
             config = apply_overrides(point.config, runtime) if runtime else point.config
             return train_point(study, out_dir, point, config, log, tag, track=track)
         finally:
@@ -569,6 +647,18 @@ def _take_over(out_dir: Path, point: Point, gone: LockHolder, log: Callable[[str
     log(f"{tag}: taken over from {gone.describe()}, which left it without releasing it")
 
 
+def set_aside(out_dir: Path, point: Point, log: Callable[[str], None], tag: str) -> None:
+    """Move ``point``'s run, trained on data no longer at its path, to
+    ``superseded/<point>/<time>`` (kept, not deleted), so that the point trains afresh on
+    the data there now instead of resuming checkpoints that refuse it."""
+    kept = (Path(out_dir) / SUPERSEDED_DIR / point.name
+            / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(run_dir(out_dir, point), kept)
+    record_event(out_dir, point.name, "superseded", kept=str(kept))
+    log(f"{tag}: its run of the other data is kept in {kept}; training it afresh")
+
+
 def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -576,5 +666,6 @@ def finite(value: Any) -> bool:
 __all__ = ["DataFingerprints", "Point", "PointState", "Study", "StudyConflict",
            "StudyInterrupted", "check_runtime", "continue_command", "create_study",
            "events_file", "open_study", "point_claim", "point_state", "read_events",
-           "read_failure", "record_event", "run_dir", "run_study", "store_study", "study_lock",
-           "time_epoch", "train_point"]
+           "read_failure", "read_study", "record_event", "run_dir", "run_study",
+           "same_point_names", "set_aside", "store_study", "study_lock", "time_epoch",
+           "train_point"]

@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from flarepp.experiments.engine import (DataFingerprints, Point, Study, StudyConflict,
                                         StudyInterrupted, check_runtime, open_study,
                                         point_claim, point_state, read_events, record_event,
-                                        resolve_paths, run_dir, store_study, study_lock,
-                                        train_point)
+                                        resolve_paths, run_dir, set_aside, store_study,
+                                        study_lock, train_point)
 from flarepp.experiments.studies import SWEEP_REPORTS, Range, parse_range, sweep_study
+from flarepp.io import UnreadableFile
 from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
 from flarepp.storage.rundir import RunDir
@@ -238,12 +239,23 @@ def spec_difference(stored: dict[str, Any], mine: dict[str, Any]) -> str:
 # the Optuna study
 
 
+def journal_storage(path: Path):
+    """Optuna's journal storage of ``path``; a file that is no journal (overwritten, edited
+    by hand) is :class:`~flarepp.io.UnreadableFile` naming it, not the JSON parser's words."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    try:
+        return JournalStorage(JournalFileBackend(str(path)))
+    # JSONDecodeError is a ValueError; Optuna asserts on an unknown op code
+    except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as err:
+        raise UnreadableFile(f"{path}: not an Optuna journal ({type(err).__name__}: {err})"
+                             ) from None
+
+
 def open_search(spec: SearchSpec, out_dir: str | Path):
     """The Optuna study of ``out_dir`` (created with ``spec`` if there is none); a directory
     that holds another spec, or a study that is not a search, is refused (a sentence)."""
     optuna = require_optuna()
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with study_lock(out_dir):
@@ -253,7 +265,7 @@ def open_search(spec: SearchSpec, out_dir: str | Path):
                 raise StudyConflict(f"{str(out_dir)!r} holds a {stored.kind} study, not a "
                                     f"search; continue it with `{stored.continue_with}` or "
                                     "choose another --out")
-        storage = JournalStorage(JournalFileBackend(str(out_dir / JOURNAL_NAME)))
+        storage = journal_storage(out_dir / JOURNAL_NAME)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         options = dict(sampler=SAMPLERS.get(spec.sampler)(spec.startup_trials),
                        pruner=PRUNERS.get(spec.pruner)(spec.startup_trials))
@@ -490,6 +502,8 @@ def _evaluate(optuna_study: Any, trial: Any, study: Study, out_dir: Path, point:
         return "reused"
     if now.error:
         log(f"{tag}: not reused: {now.error}")
+    if now.other_data:
+        set_aside(out_dir, point, log, tag)
     config = apply_overrides(point.config, runtime) if runtime else point.config
     outcome = train_point(study, out_dir, point, config, log, tag, track=track,
                           callbacks=[TrialPruning(trial, spec.split, spec.metric,

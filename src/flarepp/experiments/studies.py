@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,13 @@ def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
             base = dataclasses.replace(base, data_root=str(data))
         config = apply_overrides(base, [f"{k}={v}" for k, v in values if k != "preset"])
         points.append(Point(name, config, dict(values)))
+    same: dict[str, str] = {}
+    for point in points:  # values that read alike (seed=0,00; lr=0.001,1e-3): one run twice
+        key = json.dumps(point.config.identity(), sort_keys=True, default=str)
+        if key in same:
+            raise ValueError(f"--grid: points {same[key]} and {point.name} are the same run "
+                             "(their values read as the same config); give each value once")
+        same[key] = point.name
     return Study("sweep", points, list(SWEEP_REPORTS),
                  info={"preset": preset, "axes": [[k, v] for k, v in axes]})
 
@@ -329,7 +337,6 @@ def legacy_study(out_dir: str | Path) -> Study | None:
     """The study of a directory an earlier ``flarepp sweep`` (``sweep.json``: base config,
     axes, data) or ``drivaerml pareto`` (``pareto.json``: base, points, data) started, with
     the same point names (its runs are found where they are); None without either."""
-    import json
     out_dir = Path(out_dir)
     for name in ("sweep.json", "pareto.json"):
         if (out_dir / name).is_file():

@@ -156,11 +156,12 @@ def export_safetensors(module: PhysicalForward, path: Path, metadata: dict[str, 
     """The weights and normalisers as named tensors, the model config as metadata; returns
     the forward of a model rebuilt from the file alone."""
     _require("safetensors")
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     from flarepp.models import model_from_config
     tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    # as bytes: safetensors' own file writer recreates the file with mode 0600
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
     restored = load_file(str(path))
     model = model_from_config(json.loads(metadata["model_config"])).eval()
     rebuilt = PhysicalForward(model, Normalizer(np.zeros(1), np.ones(1)),

@@ -294,6 +294,8 @@ class Predictor:
                                  f"[B, N, {_want(layout)}] for a batch, got shape "
                                  f"{list(points.shape)}")
         points = points[None] if single else points
+        if points.shape[0] == 0:
+            raise PredictorError("points: a batch of 0 meshes [0, N, G]; give at least one")
         coordinates = layout.channels if layout.coordinates is None else layout.coordinates
         if points.shape[-1] != coordinates:
             raise PredictorError(f"points have {points.shape[-1]} channels, but this run's "
@@ -369,7 +371,9 @@ def _want(layout: InputLayout) -> str:
 
 def _host_array(value: Any, what: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu().numpy()
+    if np.iscomplexobj(value):  # float32 would drop the imaginary parts, only warning
+        raise PredictorError(f"{what}: complex numbers; give real ones")
     try:
         return np.asarray(value, dtype=np.float32 if what != "mask" else None)
     except (TypeError, ValueError) as err:

@@ -100,6 +100,9 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 def _load(path: Path) -> Any:
     """``torch.load(weights_only=True)`` with every failure as a sentence about ``path``."""
     name = repr(str(path))
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {name} is a directory; give a checkpoint file "
+                              "(a run directory's are in its checkpoint folder)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {name} does not exist")
     if path.stat().st_size == 0:

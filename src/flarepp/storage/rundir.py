@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flarepp.io import (append_line, atomic_write_json, atomic_write_text, fsync_directory,
-                        read_json, read_json_lines)
+                        UnreadableFile, read_json, read_json_lines)
 from flarepp.storage.config import RunConfig
 from flarepp.storage.locks import LOCK_NAME, LockHolder, RunLock, RunLocked
 
@@ -166,7 +166,11 @@ class RunDir:
         if not self.metrics_path.is_file():
             raise NotARunDirectory(f"{str(self.metrics_path)!r} not found: "
                                    f"{str(self.path)!r} is not a finished flarepp run")
-        return read_json(self.metrics_path)
+        metrics = read_json(self.metrics_path)
+        if not isinstance(metrics, dict):
+            raise UnreadableFile(f"{self.metrics_path}: holds a JSON "
+                                 f"{type(metrics).__name__}, not the object of a run's metrics")
+        return metrics
 
     def write_metrics(self, metrics: dict[str, Any]) -> Path:
         return atomic_write_json(self.metrics_path, metrics)
@@ -289,12 +293,12 @@ class RunDir:
 
     def reported_checkpoint(self) -> Path | None:
         """The checkpoint whose weights a finished run reports (``metrics.json`` names it),
-        else the newest checkpoint (None without one)."""
+        else the newest checkpoint (None without one); always one in this directory: the
+        path ``metrics.json`` stores is where the run was trained, so a copied run would
+        otherwise read the original's file (and a moved one a file no longer there)."""
         if self.has_metrics():
             named = self.read_metrics().get("checkpoint")
-            if named and Path(named).is_file():
-                return Path(named)
-            if named and (self.checkpoint_dir / Path(named).name).is_file():  # moved run
+            if named and (self.checkpoint_dir / Path(named).name).is_file():
                 return self.checkpoint_dir / Path(named).name
         return self.latest_checkpoint()
 

@@ -27,3 +27,22 @@ def refuse_existing(paths: list[Path], overwrite: bool) -> None:
     if existing and not overwrite:
         raise FileExistsError(f"refusing to overwrite existing {', '.join(existing)} "
                               "(pass overwrite=True / --overwrite to replace)")
+
+
+def check_disk_room(out: Path, samples: int, sample_bytes: int, what: str) -> None:
+    """Refuse ``samples`` files of at least ``sample_bytes`` each that cannot fit the free
+    space at ``out`` (the files ``out`` holds already count as room: they are kept or
+    replaced), in one sentence (``OSError``), before any job list of that length is made:
+    a count of 10^12 was a list that grew until the kernel killed the process."""
+    import shutil
+    out = Path(out)
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    held = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else 0
+    need = samples * sample_bytes
+    if need > free + held:
+        raise OSError(f"{what}: {samples} samples need at least {need / 2**30:.3g} GiB on disk "
+                      f"and {str(existing)!r} has {free / 2**30:.3g} GiB free; choose fewer "
+                      "--train/--test samples (or a smaller --resolution)")

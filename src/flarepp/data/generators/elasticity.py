@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from flarepp.data.generators._io import refuse_existing, write_atomically
+from flarepp.data.generators._io import check_disk_room, refuse_existing, write_atomically
 from flarepp.data.loaders import ELASTICITY_POINTS as N_POINTS
 from flarepp.data.loaders import ELASTICITY_SIGMA_FILE as SIGMA_FILE
 from flarepp.data.loaders import ELASTICITY_XY_FILE as XY_FILE
@@ -233,6 +233,7 @@ def make_elasticity_mesh(out: str | Path, *, n_train: int = 64, n_test: int = 16
                          f"train={n_train}, test={n_test}, seed={seed}")
     _require_mesh_packages()
     out = Path(out)
+    check_disk_room(out, n_train + n_test, 40 * MESH_VERTICES, "elasticity-mesh")  # ~48 B each
     jobs = [("train", TRAIN_SPLIT, i) for i in range(n_train)] + \
         [("test", TEST_SPLIT, i) for i in range(n_test)]
     paths = [out / folder / f"case_{i:04d}.vtu" for folder, _, i in jobs]

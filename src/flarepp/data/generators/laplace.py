@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from flarepp.data.generators._io import check_disk_room
 from flarepp.data.layout import ChannelGroup, ChannelLayout
 from flarepp.data.store import MANIFEST, StoreWriter
 
@@ -60,6 +61,7 @@ def make_laplace_store(out: str | Path, *, n_train: int = 1000, n_test: int = 20
                          f"seed >= 0, got {n_train}, {n_test}, {points}, {seed}")
     identity = {"generator": "laplace-store", "seed": seed, "points": points,
                 "n_train": n_train, "n_test": n_test}
+    check_disk_room(Path(out), n_train + n_test, 16 * points, "laplace-store")  # xyz and u
     writer = StoreWriter(out, identity, overwrite=overwrite)
     jobs = [("train", 0, i) for i in range(n_train)] + [("test", 1, i) for i in range(n_test)]
     metas, splits = {}, {"train": [], "test": []}

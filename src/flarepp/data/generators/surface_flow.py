@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 
 from flarepp.data.drivaerml import (PRESSURE_ARRAY, WALL_SHEAR_ARRAY, SurfacePolygons,
                                     polygon_centres_and_normals, require_vtk, write_vtp)
-from flarepp.data.generators._io import refuse_existing, write_atomically
+from flarepp.data.generators._io import check_disk_room, refuse_existing, write_atomically
 
 FREE_STREAM_SPEED = 40.0          # m/s, a road-car speed
 KINEMATIC_VISCOSITY = 1.5e-5      # m^2/s, air at about 20 C
@@ -547,6 +547,11 @@ def surface_flow_sample(seed: int, split: int, index: int, n_cells: int,
     return body, solve_surface_flow(body, n_cells, **options)
 
 
+VTP_CELL_BYTES = 50
+"""The least bytes of a written surface per cell (about 68 measured: points, polygons,
+pressure and wall shear)."""
+
+
 def make_surface_flow(out: str | Path, *, n_train: int = 16, n_test: int = 4,
                       resolution: int | None = None, seed: int = 0, progress: bool = True,
                       overwrite: bool = False,
@@ -564,6 +569,7 @@ def make_surface_flow(out: str | Path, *, n_train: int = 16, n_test: int = 4,
         raise ValueError(f"seed must be non-negative, got {seed}")
     require_vtk()
     out = Path(out)
+    check_disk_room(out, n_train + n_test, VTP_CELL_BYTES * n_cells, "surface-flow")
     jobs = ([(TRAIN_SPLIT, i) for i in range(n_train)]
             + [(TEST_SPLIT, i) for i in range(n_test)])
     runs = [f"run_{k + 1}" for k in range(len(jobs))]

@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from flarepp.experiments.engine import Study, finite, point_state, read_events
+from flarepp.experiments.engine import (DataFingerprints, PointState, Study, finite,
+                                        point_state, read_events)
 from flarepp.experiments.studies import open_any_study
 
 STATUSES = ("done", "failed", "pruned", "pending")
@@ -149,11 +150,12 @@ def collect(out_dir: str | Path) -> tuple[Study, list[Row]]:
         elif e["event"] in ("start", "resume", "finish"):
             last_error[e["point"]] = None
     rows = []
+    state_of = _checked_states(out_dir)
     for point in study.points:
         config = point.config
         task = TASKS.get(config.task)
         model = config.model_kwargs()
-        state = point_state(out_dir, point)
+        state = state_of(point)
         metrics = state.metrics or {}
         weights = metrics.get("eval_weights", "ema" if metrics else None)
         test, val = f"test_{task.headline}", f"val_{task.headline}"
@@ -179,6 +181,24 @@ def collect(out_dir: str | Path) -> tuple[Study, list[Row]]:
         row.did_not_fit = did_not_fit(row)
         rows.append(row)
     return study, rows
+
+
+def _checked_states(out_dir: Path):
+    """A point's state with its run checked against the data at its path now, as the
+    engine checks it: a run of data regenerated there since is pending (the next ``sweep
+    --out`` trains it afresh), not a result. Data that cannot be read here (moved, on
+    another machine) leaves each run's state as its files say."""
+    fingerprints, unreadable = DataFingerprints(), set()
+
+    def state(point) -> PointState:
+        key = point.config.data_root
+        if key not in unreadable:
+            try:
+                fingerprints(point.config)
+            except Exception:  # noqa: BLE001 (any reader's error: the data is not here)
+                unreadable.add(key)
+        return point_state(out_dir, point, None if key in unreadable else fingerprints)
+    return state
 
 
 def did_not_fit(row: Row) -> bool | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from flarepp.experiments.reports.common import Report, fmt, markdown
+from flarepp.io import UnreadableFile
 
 
 def _value(value: Any) -> Any:
@@ -41,15 +42,15 @@ def search_report(rep: Report) -> None:
         rep.lines.append("Install the search extra (pip install 'flarepp[search]') to list "
                          "the trials.")
         return
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-    from flarepp.experiments.search import OPTUNA_STUDY
+    from flarepp.experiments.search import OPTUNA_STUDY, journal_storage
     path = rep.out_dir / JOURNAL_NAME
     if not path.is_file():
         rep.lines.append(f"No trials recorded ({path.name} is missing).")
         return
-    study = optuna.load_study(study_name=OPTUNA_STUDY,
-                              storage=JournalStorage(JournalFileBackend(str(path))))
+    try:
+        study = optuna.load_study(study_name=OPTUNA_STUDY, storage=journal_storage(path))
+    except KeyError:  # Optuna reads a lone line that does not decode as one cut short
+        raise UnreadableFile(f"{path}: holds no search (emptied or overwritten)") from None
     trials = study.get_trials(deepcopy=False)
     replaced = superseded(trials)
     retries = {int(t.user_attrs["retry_of"]): t for t in trials if "retry_of" in t.user_attrs}
