@@ -146,3 +146,14 @@ def test_an_overwritten_optuna_journal_is_a_sentence_naming_it(tmp_path, capsys,
     assert main(["sweep", "report", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"flarepp sweep: error: {out / 'optuna.journal'}: ") and said in err
+
+
+def test_search_choices_that_read_alike_are_one_value():
+    """`--search optuna --grid lr=0.001,1e-3` offered one config twice as two choices
+    (weighting the sampler toward it), as the grid did before: refused, naming both."""
+    pytest.importorskip("optuna")
+    from flarepp.experiments.search import search_spec
+    from flarepp.experiments.studies import parse_axes
+    with pytest.raises(ValueError, match="choices 0.001 and 1e-3 read as the same config"):
+        search_spec("npz", parse_axes(["lr=0.001,1e-3"]), data="d.npz")
+    search_spec("npz", parse_axes(["lr=0.001,2e-3"]), data="d.npz")

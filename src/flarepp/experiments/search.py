@@ -43,6 +43,7 @@ told); a trial whose values another worker is training now is failed, said.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -160,8 +161,14 @@ class SearchSpec:
         for key, axis in axes:  # every value's config is checked before anything trains
             kind = int if isinstance(axis, Range) and axis.integer else float
             ends = [kind(axis.low), kind(axis.high)] if isinstance(axis, Range) else axis
+            read = {}
             for value in ends:
-                apply_overrides(base, [f"{key}={value}"])
+                config = apply_overrides(base, [f"{key}={value}"])
+                same = read.setdefault(json.dumps(config.identity(), sort_keys=True,
+                                                  default=str), value)
+                if not isinstance(axis, Range) and same != value:  # lr=0.001,1e-3
+                    raise ValueError(f"--grid {key}: the choices {same} and {value} read as "
+                                     "the same config; give each value once")
 
     def base(self) -> RunConfig:
         from flarepp.train import get_preset
