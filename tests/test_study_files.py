@@ -294,6 +294,7 @@ def test_plot_refuses_a_checkpoint_of_another_run(tmp_path, capsys):
 @pytest.mark.parametrize("argv, said", [
     (["surface-flow", "--train", "1000000000000"], "samples need at least"),
     (["laplace-store", "--train", "1000000000000"], "samples need at least"),
+    (["elasticity-mesh", "--train", "1000000000000"], "samples need at least"),
     (["surface-flow", "--resolution", "1000000000000", "--train", "1", "--test", "1"],
      "samples need at least"),
     (["darcy", "--resolution", "1000000000000", "--train", "1", "--test", "1"],
@@ -306,6 +307,8 @@ def test_data_make_counts_beyond_any_disk_or_memory_are_a_sentence(tmp_path, cap
     saying what is needed and what there is, before anything is written."""
     if argv[0] == "surface-flow":
         pytest.importorskip("vtk")
+    if argv[0] == "elasticity-mesh":
+        pytest.importorskip("meshio")
     out = tmp_path / "gen"
     assert main(["data", "make", *argv, "--out", str(out), "--quiet"]) == 1
     err = capsys.readouterr().err
