@@ -157,3 +157,13 @@ def test_search_choices_that_read_alike_are_one_value():
     with pytest.raises(ValueError, match="choices 0.001 and 1e-3 read as the same config"):
         search_spec("npz", parse_axes(["lr=0.001,1e-3"]), data="d.npz")
     search_spec("npz", parse_axes(["lr=0.001,2e-3"]), data="d.npz")
+
+
+def test_a_plan_checks_claim_grace_before_anything(tmp_path, capsys):
+    """`sweep --plan FILE --claim-grace inf` skipped the check the grid's options get;
+    nothing is made before it."""
+    plan = Path(__file__).resolve().parents[1] / "docs" / "results" / "plan.json"
+    assert main(["sweep", "--plan", str(plan), "--out", str(tmp_path / "studies"),
+                 "--claim-grace", "inf"]) == 2
+    assert "--claim-grace must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "studies").exists()

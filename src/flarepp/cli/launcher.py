@@ -43,16 +43,22 @@ def add_launcher_options(p: argparse.ArgumentParser) -> None:
                         "point this process or its workers hold (default 300)")
 
 
-def launch_spec(args: argparse.Namespace, runtime: list[str]):
-    """The :class:`~flarepp.experiments.launch.LaunchSpec` the options ask for (``runtime``:
-    the workers' runtime ``--set`` items), or ``None`` without ``--launcher`` (then no
-    launcher option may be given)."""
-    from flarepp.experiments.launch import LaunchSpec
+def claim_grace(args: argparse.Namespace) -> float:
+    """``--claim-grace`` (default 300 s), a finite number of seconds > 0."""
     from flarepp.storage.locks import GRACE_S
     grace = GRACE_S if args.claim_grace is None else args.claim_grace
     if not 0 < grace < math.inf:  # inf: the heartbeat's wait overflowed in its thread
         raise CLIError(f"--claim-grace must be a finite number of seconds > 0, got "
                        f"{args.claim_grace}")
+    return grace
+
+
+def launch_spec(args: argparse.Namespace, runtime: list[str]):
+    """The :class:`~flarepp.experiments.launch.LaunchSpec` the options ask for (``runtime``:
+    the workers' runtime ``--set`` items), or ``None`` without ``--launcher`` (then no
+    launcher option may be given)."""
+    from flarepp.experiments.launch import LaunchSpec
+    grace = claim_grace(args)
     if args.launcher is None:
         given = [o for o in LAUNCH_OPTIONS if getattr(args, o) not in (None, False)]
         if given:

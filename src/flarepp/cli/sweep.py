@@ -65,6 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     """``--plan FILE``: every study of the plan in turn, each created or joined, or (``report``)
     their reports and the plan's page."""
     from flarepp.experiments.engine import STUDY_NAME, check_runtime
+    from flarepp.cli.launcher import claim_grace
     from flarepp.cli.tracking import track_settings
     from flarepp.experiments.plan import read_plan, write_page
     from flarepp.experiments.reports import write_report
@@ -81,6 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
             print(write_page(plan, out))
         return 0
     check_runtime(args.set)
+    grace = claim_grace(args)
     studies = [(entry, entry.study(plan, data)) for entry in chosen]  # all checked first
     status = 0
     for entry, study in studies:
@@ -89,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{entry.name}: {entry.command(plan, data, out)}", flush=True)
         code = execute(study, out / entry.name, quiet=args.quiet, runtime=args.set or [],
                        report=args.report, track=track_settings(args),
-                       claim_grace_s=args.claim_grace)
+                       claim_grace_s=grace)
         if code > 1:  # interrupted: the rest waits for the rerun
             return code
         status = max(status, code)
