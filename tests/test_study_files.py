@@ -198,6 +198,7 @@ def test_a_full_disk_while_taking_a_lock_names_the_lock_file(tmp_path, capsys, m
                  "--grid", "seed=0,1", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert f"cannot take the lease {str(out / '.study.lock')!r}: No space left" in err
+    assert "free some space" in err and "exclusive create" not in err
     assert not (out / ".study.lock").exists() and not (out / "runs").exists()
 
 

@@ -429,6 +429,9 @@ class Lease:
                 errno.EACCES: "no permission to write there",
                 errno.EPERM: "the filesystem does not allow it"}.get(err.errno, err.strerror
                                                                          or str(err))
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return LockUnavailable(f"cannot take the lease {str(self.path)!r}: {what} (the "
+                                   "filesystem or your quota is full); free some space")
         return LockUnavailable(
             f"cannot take the lease {str(self.path)!r}: {what}; a directory that several "
             "processes share must be writable on a filesystem with exclusive create (O_EXCL: "
