@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 
 def _bench_threads(args: argparse.Namespace) -> int:
     from flarepp.bench.threads import format_header, run_threads_bench
-    from flarepp.io import atomic_write_json
     from flarepp.threads import candidates, thread_budget, usable_cores
     counts = candidates(thread_budget())
     print(f"one training step per case, {args.rounds} interleaved rounds, medians; "
           f"{usable_cores()} usable core(s); load average {os.getloadavg()[0]:.2f}")
     print(format_header(counts))
-    rows = run_threads_bench(args.resolutions, args.n, rounds=args.rounds)
-    if args.json:
-        atomic_write_json(Path(args.json), rows)
-        print(f"wrote {args.json}")
+    run_threads_bench(args.resolutions, args.n, rounds=args.rounds)
     return 0
 
 
@@ -32,6 +27,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=[22, 85], metavar="R1,R2", help="darcy-tiny grid sides")
     p.add_argument("--n", type=_sizes, default=[16384],
                    help="points of the Table 7 surrogate, e.g. 16k")
-    p.add_argument("--rounds", type=at_least(1), default=3)
-    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--rounds", type=at_least(1), default=3,
+                   help="interleaved rounds over the counts (the median is shown)")
     p.set_defaults(func=_bench_threads)
