@@ -1,6 +1,6 @@
 """Errors of the comparison models before and after a correction, paired by seed.
 
-    python scripts/before_after.py AFTER BEFORE [--evals DIR]
+    python scripts/before_after.py AFTER BEFORE [--evals DIR] [--names BEFORE AFTER]
 
 ``AFTER`` and ``BEFORE`` are two sweep directories with the same preset, data and seeds,
 trained by the corrected code and by the code before the correction (issue 33: the study
@@ -9,7 +9,8 @@ at the commit before it). A model whose training did not change and whose evalua
 (Transolver++) has no BEFORE run: ``--evals DIR`` holds ``DIR/<point>.json``, the
 ``flarepp eval --json`` of the AFTER point's checkpoint under the earlier code. Prints a
 Markdown table: per model, mean ± sample std before and after, and the paired difference
-after - before with its 95% t interval (the paired report's :func:`interval`).
+after - before with its 95% t interval (the paired report's :func:`interval`). ``--names``
+relabels the two columns (e.g. ``default option`` for a study of one option's effect).
 """
 
 from __future__ import annotations
@@ -49,24 +50,30 @@ def main() -> None:
     parser.add_argument("after", type=Path)
     parser.add_argument("before", type=Path)
     parser.add_argument("--evals", type=Path, help="earlier-code evaluations of AFTER points")
+    parser.add_argument("--names", nargs=2, default=["before", "after"],
+                        metavar=("BEFORE", "AFTER"), help="the two columns' names")
     args = parser.parse_args()
     _, after = collect(args.after)
     _, before = collect(args.before)
-    models = list(dict.fromkeys(r.mixer for r in before))
+    in_after = {r.mixer for r in after}
+    models = [m for m in dict.fromkeys(r.mixer for r in before) if m in in_after]
     if args.evals is not None:
         models += [m for m in dict.fromkeys(r.mixer for r in after)
                    if m not in models and evaluated_before(after, m, args.evals)]
     body = []
     for model in models:
         new = by_seed(after, model)
-        old = by_seed(before, model) or evaluated_before(after, model, args.evals)
+        old = by_seed(before, model)
+        if not old and args.evals is not None:
+            old = evaluated_before(after, model, args.evals)
         seeds = sorted(set(new) & set(old))
         stats = interval(np.asarray([new[s] - old[s] for s in seeds], float))
         body.append([model, f"{len(old)} / {len(new)}", mean_std(old), mean_std(new),
                      stats["n"], fmt(stats["mean"]),
                      f"[{fmt(stats['low'])}, {fmt(stats['high'])}]"])
-    print("\n".join(markdown(["model", "runs before / after", "test before", "test after",
-                              "pairs", "after - before", "95% interval"], body)))
+    old, new = args.names
+    print("\n".join(markdown(["model", f"runs {old} / {new}", f"test {old}", f"test {new}",
+                              "pairs", f"{new} - {old}", "95% interval"], body)))
 
 
 if __name__ == "__main__":

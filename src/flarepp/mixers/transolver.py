@@ -13,10 +13,11 @@ Every member is *physics attention* (Wu et al., 2024, Sec. 3.1), per head h:
 Members differ in where the logits and features come from:
 
 * ``transolver`` (Wu et al., 2024): ``f = X W_f``, ``logits = (X W_x) W_s`` with a separate
-  projection ``W_x``; ``tau`` a learned per-head temperature clamped to [0.1, 5]. The clamp
-  and the orthogonal init of ``W_s`` are kept although Transolver's irregular-mesh release
-  has no clamp: the FLARE study's Transolver (``pdebench/models/transolver.py``, the code
-  behind Table 1's Transolver comparison) has both.
+  projection ``W_x``; ``tau`` a learned per-head temperature clamped to [0.1, 5]. The
+  release's irregular-mesh attention (``Physics_Attention_1D``) initialises ``W_s``
+  orthogonally but does not clamp ``tau``; its structured-mesh attentions clamp, and so does
+  the FLARE study's Transolver (``pdebench/models/transolver.py``), the code behind Table
+  1's Transolver comparison, which flarepp follows in both.
 * ``transolver++`` (Luo et al., 2025, Sec. 3.2): *eidetic states* -- one projection
   ``X~ = X W_x`` serves both the logits and the states; a per-token adaptive temperature
   ``tau_i = tau_0 + MLP(x~_i)`` (Ada-Temp); Gumbel-softmax slicing
