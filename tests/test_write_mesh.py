@@ -95,6 +95,7 @@ def test_data_without_a_mesh_becomes_point_clouds_and_a_gone_source_is_said(stor
         shutil.copytree(moved, cases)
 
 
+@pytest.mark.slow
 def test_infer_refuses_no_cases_or_a_geometry_for_a_fields_run(store_run, tmp_path, capsys):
     """Neither --data nor --geometry, both, and --geometry on a run that is not of the
     surface task: each a sentence, exit 2, nothing written."""

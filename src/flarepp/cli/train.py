@@ -191,6 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="under torchrun: split every mesh's points over K ranks (default: "
                         "all ranks), paper Appendix B")
     add_tracking_arguments(p)
+    add_threads_argument(p)
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
@@ -201,13 +202,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--chunk-size", type=at_least(1), metavar="K",
                    help="stream each mesh through the model K points at a time (exact)")
     e.add_argument("--precision", choices=PRECISIONS, help=PRECISION_HELP)
+    add_threads_argument(e)
     e.set_defaults(func=_eval)
 
     g = sub.add_parser("plot", help="prediction and curve figures of a run directory")
     g.add_argument("run_dir")
     g.add_argument("--cases", type=at_least(0), default=3,
                    help="prediction figures to draw (default 3)")
-    add_threads_argument(p)
     g.add_argument("--device", default="auto",
                    help=DEVICE_HELP + "; used only for a run stopped before its end, whose "
                    "test outputs are predicted from its newest checkpoint first")
@@ -218,4 +219,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("presets", help="list the training presets")
     s.set_defaults(func=lambda a: print("\n".join(
         f"{n:22s} {PRESETS.entry(n).doc}" for n in PRESETS.names())) or 0)
-    add_threads_argument(e)

@@ -205,10 +205,6 @@ class RunDir:
         sessions = read_json(path)["sessions"] if path.is_file() else []
         return atomic_write_json(path, {"sessions": [*sessions, record]})
 
-    def read_provenance(self) -> list[dict[str, Any]]:
-        path = self.path / self.PROVENANCE
-        return read_json(path)["sessions"] if path.is_file() else []
-
     def amend_provenance(self, facts: dict[str, Any]) -> Path:
         """Add ``facts`` to this process's entry of ``provenance.json`` (the last one),
         e.g. what was measured once the run started."""
@@ -216,6 +212,10 @@ class RunDir:
         sessions = read_json(path)["sessions"] if path.is_file() else [{}]
         return atomic_write_json(path, {"sessions": [*sessions[:-1],
                                                      {**sessions[-1], **facts}]})
+
+    def read_provenance(self) -> list[dict[str, Any]]:
+        path = self.path / self.PROVENANCE
+        return read_json(path)["sessions"] if path.is_file() else []
 
     # -- what the study engine writes into a run directory ---------------------------------
     def write_failure(self, error: BaseException) -> Path:
