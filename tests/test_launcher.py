@@ -109,6 +109,35 @@ def test_a_preempted_worker_is_requeued_and_resumes_its_point(tmp_path):
     assert [json.loads(line)["epoch"] for line in log] == list(range(1, 6))
 
 
+@pytest.mark.slow
+def test_a_stopped_local_launch_stops_its_workers_and_the_study_continues(tmp_path):
+    """SIGTERM to `flarepp sweep --launcher local` while its worker trains: the launch says it
+    stops its workers, the worker stops after its step with a checkpoint (an `interrupt`
+    event), no worker process is left, and the launch exits 143; the same command then
+    resumes the point and finishes it. A failure points to orphaned workers, which went on
+    training after their launch was stopped."""
+    data, out = _npz(tmp_path / "d.npz"), tmp_path / "sw"
+    argv = _argv(data, out, "--set", "epochs=300", "--grid", "seed=0", "--launcher", "local")
+    proc = _launch(argv)
+    point, pid = _worker_mid_point(out, time.monotonic() + 300)
+    proc.send_signal(signal.SIGTERM)
+    said, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err.decode()[-2000:]
+    assert "stopping 1 worker(s)" in said.decode()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {pid} still runs after its launch was stopped")
+    assert [e["event"] for e in read_events(out)] == ["start", "interrupt"]
+    assert main([*_argv(data, out, "--set", "epochs=300", "--grid", "seed=0")]) == 0
+    assert [e["event"] for e in read_events(out)][-2:] == ["resume", "finish"]
+
+
 _FAKE_SBATCH = """#!/bin/sh
 cp "$1" "{record}"
 echo "Submitted batch job 4242"

@@ -19,6 +19,12 @@ requeues the same worker (:meth:`StudyWorker.checkpoint`); the point resumes fro
 checkpoint. SIGTERM alone (``scancel``) stops the worker the same way, without a requeue.
 A worker killed outright leaves its point to the others: on its host at once, from another
 host once its heartbeat is older than the claim's grace period.
+
+A local launch that waits for its workers (the default) stops them when it is itself
+stopped (SIGTERM, SIGHUP, Ctrl-C): each worker gets SIGTERM, stops after its step with a
+checkpoint, and the launch waits for them (up to ``STOP_WAIT_S``) before it exits 143 (130
+for Ctrl-C); the same command continues the study. SLURM jobs outlive the launch by design
+(``scancel`` stops them).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import os
 import shlex
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +43,9 @@ from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, 
 from flarepp.registry import Registry
 from flarepp.storage.locks import GRACE_S, HOST_ENV
 from flarepp.threads import CORES_ENV, usable_cores, worker_share
+
+STOP_WAIT_S = 120.0
+"""Seconds a stopped local launch waits for its workers' checkpoints before it exits."""
 
 LOCAL_TIME_MIN = 60 * 24 * 365
 """The local executor's time limit when none is given: none in practice."""
@@ -209,6 +219,7 @@ def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool,
     if not wait:
         return outcome
     outcome.died = []
+    stopping = _stop_workers_with_launch(jobs) if spec.launcher == "local" else None
     for i, job in enumerate(jobs):
         try:
             job.result()
@@ -216,10 +227,68 @@ def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool,
             last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
             outcome.died.append(f"worker {i + 1} (job {job.job_id}) ended without finishing: "
                                 f"{last[0]}; its log: {job.paths.stderr}")
+    if stopping is not None:
+        stopping()
     outcome.states = {"done": [], "failed": [], "pending": []}
     for point in study.points:
         outcome.states[point_state(out_dir, point).status].append(point.name)
     return outcome
+
+
+def _stop_local_job(job: Any) -> None:
+    """SIGTERM to the worker processes of a local job, found under the job's process (Linux
+    ``/proc``): the job is a shell running submitit's controller, which would kill its
+    workers a second after a SIGINT (before their checkpoint) and dies of a SIGTERM without
+    forwarding it. Elsewhere, submitit's own cancel."""
+    try:
+        root = int(job.job_id)
+    except (TypeError, ValueError):
+        return
+    if not Path(f"/proc/{root}").exists():
+        try:
+            job.cancel()
+        except Exception:  # noqa: BLE001 -- a job that already ended
+            pass
+        return
+    stack, workers = [root], []
+    while stack:
+        pid = stack.pop()
+        try:
+            stack += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                workers.append(pid)
+        except (OSError, ValueError):
+            continue
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+
+def _stop_workers_with_launch(jobs: list[Any]) -> Callable[[], None]:
+    """While a local launch waits: SIGTERM, SIGHUP or SIGINT to it stop its workers first
+    (module docstring). Returns the function that puts the earlier handlers back."""
+    watched = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None))
+               if s is not None]
+
+    def stop(signum: int, _frame: Any) -> None:
+        restore()
+        _say(f"flarepp sweep: {signal.Signals(signum).name}: stopping {len(jobs)} worker(s); "
+             "each writes a checkpoint and the same command continues the study")
+        for job in jobs:
+            _stop_local_job(job)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline and not all(job.done() for job in jobs):
+            time.sleep(0.2)
+        raise SystemExit(130 if signum == signal.SIGINT else 128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in watched}
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return restore
 
 
 __all__ = ["INSTALL_HINT", "LAUNCHERS", "LaunchOutcome", "LaunchSpec", "LauncherUnavailable",
