@@ -39,7 +39,7 @@ from flarepp.device import peak_host_memory
 from flarepp.io import atomic_write
 from flarepp.inference.predictor import Predictor, PredictorError
 from flarepp.tasks import TASKS
-from flarepp.tasks.surface import METRIC_SCALE
+from flarepp.tasks.surface import METRIC_SCALE, integrated_forces
 
 
 @dataclass
@@ -100,11 +100,10 @@ def read_cases(predictor: Predictor, data: str | Path, *, split: str = "test",
 def store_cases(samples: StoreSamples) -> Iterator[Case]:
     """One case per sample of a store's split, read when its turn comes (never padded), with
     its conditions and source mesh file."""
-    association = samples.store.layout.association
+    association, conditions = samples.store.layout.association, samples.conditions
     for i, name in enumerate(samples.names):
         x, y = samples.sample(i)
         source = samples.source_of(i)
-        conditions = samples.conditions
         yield Case(name, x[None], y[None] if y.shape[1] else None, None,
                    None if conditions is None else conditions[i:i + 1],
                    source.get("case") if isinstance(source, dict) else source, association)
@@ -170,10 +169,9 @@ def predict_cases(predictor: Predictor, cases: Iterable[Case], *, source: str = 
                   "cells": int(pred.shape[0] * pred.shape[1] if case.mask is None
                                else case.mask.sum())}
         if case.areas is not None and pred.shape[-1] == 4:  # a surface: its predicted force
-            from flarepp.tasks.surface import integrated_forces
-            result["force"] = integrated_forces(
-                torch.from_numpy(pred[:1]).double(), torch.from_numpy(case.x[:1, :, 3:6]).double(),
-                torch.from_numpy(case.areas[None])).numpy()[0]
+            fields, normals = (torch.from_numpy(a[:1]).double() for a in (pred, case.x[..., 3:6]))
+            result["force"] = integrated_forces(fields, normals,
+                                                torch.from_numpy(case.areas[None])).numpy()[0]
         if case.y is not None:
             real = (np.ones(pred.shape[:2], bool) if case.mask is None else case.mask)
             err = (pred.astype(np.float64) - case.y) * real[..., None]
@@ -227,7 +225,7 @@ def write_on_mesh(out_dir: str | Path, results: Iterable[dict[str, Any]],
     names = [file_safe(n) for n in (layout.field_names if layout else ())]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    coordinates = (layout.coordinates if layout and layout.coordinates else None)
+    coordinates = layout.coordinates if layout else None
     for r in results:
         case: Case = r["case"]
         pred, written = r["pred"], []
@@ -254,8 +252,7 @@ def write_on_mesh(out_dir: str | Path, results: Iterable[dict[str, Any]],
                 mesh, association = point_cloud(centres), "point"
             path = write_fields(mesh, arrays, association, out_dir / file_safe(stem),
                                 where=case.source or stem)
-            error = "" if t is None else (
-                f": relative L2 {100 * np.linalg.norm(p - t) / np.linalg.norm(t):.2f}%")
+            error = "" if "rel_l2" not in r else f": relative L2 {100 * r['rel_l2'][s]:.2f}%"
             picture = plot_fields(path.with_suffix(".png"), centres, p, t, list(fields),
                                   layout.units if layout else "", f"{stem}{error}")
             written += [path, picture]
