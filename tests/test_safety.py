@@ -496,3 +496,32 @@ def test_datasets_registry_is_complete_on_import():
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert {"airfoil", "darcy", "drivaerml-40k", "elasticity", "npz", "pipe"} <= set(out.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# names that become paths: the one confinement every entry point uses (flarepp.io.confined)
+
+@pytest.mark.parametrize("name", ["../x", "a/../../x", "/etc/passwd", "", ".", "a//b", "a/./b",
+                                  "a\\..\\b", "a\0b", "a\nb", 3, None])
+def test_a_name_that_leaves_its_directory_is_refused(tmp_path, name):
+    """A name read from a file (a spec target, a manifest sample, a study point) that is
+    absolute, climbs out, is empty or holds a control character never becomes a path; a
+    failure here means a crafted file can write or read outside its directory."""
+    from flarepp.io import UnsafeName, confined
+    with pytest.raises(UnsafeName, match="sample"):
+        confined(tmp_path, name, what="sample")
+
+
+def test_a_link_out_of_the_directory_is_refused_and_plain_names_pass(tmp_path):
+    """Plain nested names map under the root; a symbolic link planted under the root that
+    leads out of it is refused (a link inside the root is followed)."""
+    from flarepp.io import UnsafeName, confined
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "inner").mkdir(parents=True)
+    outside.mkdir()
+    assert confined(root, "test/case_0001") == root / "test" / "case_0001"
+    (root / "out").symlink_to(outside)
+    (root / "in").symlink_to(root / "inner")
+    with pytest.raises(UnsafeName, match="symbolic link"):
+        confined(root, "out/x", what="sample")
+    assert confined(root, "in/x") == root / "in" / "x"

@@ -194,6 +194,42 @@ def read_json_lines(path: str | Path) -> list[Any]:
     return records
 
 
-__all__ = ["UnreadableFile", "append_line", "atomic_write", "atomic_write_all",
+class UnsafeName(ValueError):
+    """A name read from a file or given by a user that would become a path outside the
+    directory it belongs in."""
+
+
+def confined(root: str | Path, name: Any, *, what: str = "name") -> Path:
+    """``root / name`` for a ``name`` that becomes a path (a spec's target name, a store's
+    sample or group name, a case name, a study point, a file written beside others), never
+    outside ``root``: ``name`` is a relative path of plain parts separated by ``/`` -- none
+    empty, ``.`` or ``..``, no backslash, NUL or control character, not absolute -- and no
+    part of it that exists under ``root`` is a symbolic link leading out of ``root``.
+    Anything else is :class:`UnsafeName`, one sentence naming ``what`` and the name. Every
+    entry point that turns a read name into a path goes through here."""
+    if not isinstance(name, str):
+        raise UnsafeName(f"{what} {name!r} is not a string: a name inside {str(root)!r} is a "
+                         "relative path of plain parts separated by '/'")
+    parts = name.split("/")
+    bad = (not name or name.startswith("/")
+           or any(part in ("", ".", "..") or "\\" in part
+                  or any(ord(ch) < 32 or ord(ch) == 127 for ch in part) for part in parts))
+    if bad:
+        raise UnsafeName(f"{what} {name!r} is not a relative path inside {str(root)!r} "
+                         "(parts separated by '/', none empty, '.' or '..', no backslash or "
+                         "control character)")
+    root = Path(root)
+    path = root.joinpath(*parts)
+    top = root.resolve()
+    probe = root
+    for part in parts:  # a link planted under root must not lead the path out of it
+        probe = probe / part
+        if probe.is_symlink() and not probe.resolve().is_relative_to(top):
+            raise UnsafeName(f"{what} {name!r}: {str(probe)!r} is a symbolic link leading "
+                             f"out of {str(root)!r}; remove it")
+    return path
+
+
+__all__ = ["UnreadableFile", "UnsafeName", "append_line", "atomic_write", "atomic_write_all",
            "atomic_write_bytes", "atomic_write_json", "atomic_write_npz", "atomic_write_text",
-           "fsync_directory", "is_temporary", "read_json", "read_json_lines"]
+           "confined", "fsync_directory", "is_temporary", "read_json", "read_json_lines"]
