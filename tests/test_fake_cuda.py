@@ -430,6 +430,7 @@ def _on_fake_cuda(trainer, monkeypatch):
     from flarepp.device import grad_scaler
     from flarepp.inference.batching import epoch_keys, make_loader
     from flarepp.inference.engine import Engine
+    from flarepp.inference.execution import Execution
     from flarepp.train.optim import build_optimizer, build_scheduler
     config = trainer.config
     keys = epoch_keys(torch.arange(trainer.n_train).numpy(), config.batch_size, 0, 1, 0)
@@ -442,7 +443,7 @@ def _on_fake_cuda(trainer, monkeypatch):
         fake_cuda.to_fake_cuda(trainer.model)
         fake_cuda.to_fake_cuda(trainer.ema)
         trainer.device = dev
-        trainer.engine = Engine(trainer.task, dev, config.precision)
+        trainer.engine = Engine(trainer.task, Execution(dev, config.precision))
         trainer.optimizer = build_optimizer(trainer.model, config)
         trainer.scheduler = build_scheduler(trainer.optimizer, config, 100)
         trainer.scaler = grad_scaler(config.precision, dev)

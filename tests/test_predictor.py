@@ -22,7 +22,10 @@ import torch
 import flarepp
 from flarepp.cli import main as cli
 from flarepp.data import Normalizer
+from flarepp.inference.execution import Execution
 from flarepp.inference.predictor import InputLayout, Predictor, PredictorError
+from flarepp.models import Surrogate
+from flarepp.storage.checkpoint import unit_maps
 
 @pytest.fixture(scope="module")
 def darcy_run(tmp_path_factory):
@@ -123,8 +126,8 @@ def test_conditions_are_normalised_through_the_same_path():
     maps = {name: Normalizer(np.array(mean, np.float32), np.array(std, np.float32))
             for name, mean, std in (("x", [0.5, -1.0], [2.0, 0.5]), ("y", [3.0], [4.0]),
                                     ("c", [1.0, 2.0, 3.0], [0.5, 1.0, 2.0]))}
-    p = Predictor(model, inputs=maps["x"], outputs=maps["y"], conditions=maps["c"],
-                  device="cpu", layout=InputLayout(2, 1, coordinates=2, conditions=(2, 3)))
+    p = Predictor(Surrogate(model, **unit_maps(maps)), Execution("cpu"),
+                  layout=InputLayout(2, 1, coordinates=2, conditions=(2, 3)))
     rng = np.random.default_rng(0)
     x, c = rng.normal(size=(2, 11, 2)).astype("f4"), rng.normal(size=(2, 2, 3)).astype("f4")
     got = p.predict(x, conditions=c)
@@ -216,11 +219,11 @@ def test_onnx_export_agrees_under_onnxruntime_at_another_point_count(darcy_run, 
 def test_a_model_that_cannot_be_exported_is_a_sentence(tmp_path):
     """A Linformer (its projections fix the number of points) is refused naming the model,
     the mixer and the exporter's reason, and nothing is written."""
-    from flarepp.inference.export import ExportError, PhysicalForward, export_pt2
+    from flarepp.inference.export import ExportError, export_pt2
     model = flarepp.build_model(mixer="linformer", in_dim=3, out_dim=1, dim=16, heads=2,
                                 blocks=1, latents=4).eval()
-    module = PhysicalForward(model, Normalizer(np.zeros(3), np.ones(3)),
-                             Normalizer(np.zeros(1), np.ones(1)))
+    module = Surrogate(model, inputs=(np.zeros(3), np.ones(3)),
+                       outputs=(np.zeros(1), np.ones(1)))
     with pytest.raises(ExportError, match="torch.export cannot export this 'surrogate' model "
                                           r"\(mixer 'linformer'\) with dynamic batch"):
         export_pt2(module, tmp_path / "m.pt2")
@@ -230,10 +233,10 @@ def test_a_model_that_cannot_be_exported_is_a_sentence(tmp_path):
 def test_a_missing_extra_says_which_to_install(monkeypatch, tmp_path):
     """Without onnxscript, ``--format onnx`` is one sentence naming the module and
     ``pip install 'flarepp[export]'``, before any export work."""
-    from flarepp.inference.export import ExportError, PhysicalForward, export_onnx
+    from flarepp.inference.export import ExportError, export_onnx
     monkeypatch.setitem(sys.modules, "onnxscript", None)
-    module = PhysicalForward(torch.nn.Identity(), Normalizer(np.zeros(1), np.ones(1)),
-                             Normalizer(np.zeros(1), np.ones(1)))
+    module = Surrogate(torch.nn.Identity(), inputs=(np.zeros(1), np.ones(1)),
+                       outputs=(np.zeros(1), np.ones(1)))
     with pytest.raises(ExportError, match=r"needs onnxscript .* pip install 'flarepp\[export\]'"):
         export_onnx(module, tmp_path / "m.onnx")
     assert not list(tmp_path.iterdir())

@@ -31,6 +31,7 @@ from flarepp.plots3d import CASE_FILE  # noqa: E402
 from flarepp.tasks.surface import ERRORS_FILE, subset_cells  # noqa: E402
 from flarepp.train import Engine, RunConfig, Trainer, check_run_config  # noqa: E402
 from flarepp.inference.batching import epoch_keys  # noqa: E402
+from flarepp.inference.execution import Execution  # noqa: E402
 from flarepp.train.loop import epoch_seed  # noqa: E402
 
 CELLS = 1500          # per generated surface
@@ -156,7 +157,7 @@ def test_full_surface_metric_is_the_mean_over_cars_of_every_cell(data):
     inputs, targets = hand_normalisation(data, task)
     torch.manual_seed(1)
     model = task.build_model().eval()
-    metrics, records = Engine(task, torch.device("cpu"), "fp32").evaluate(
+    metrics, records = Engine(task, Execution("cpu")).evaluate(
         model, "test", task.eval_batch_size())
     per_car = []
     for run in task.data.cars("test"):
@@ -181,10 +182,10 @@ def test_streamed_evaluation_equals_unchunked(data):
     a failure points to the engine's streaming path or the exact block-wise streaming."""
     task = build_task(config(data), data)
     model = task.build_model().eval()
-    plain_metrics, plain = Engine(task, torch.device("cpu"), "fp32").evaluate(model, "test", 1)
+    plain_metrics, plain = Engine(task, Execution("cpu")).evaluate(model, "test", 1)
     for chunk in (97, 1000):
-        metrics, records = Engine(task, torch.device("cpu"), "fp32",
-                                  chunk_size=chunk).evaluate(model, "test", 1)
+        metrics, records = Engine(task, Execution("cpu", chunk_size=chunk)).evaluate(
+            model, "test", 1)
         np.testing.assert_allclose(records["sse"], plain["sse"], rtol=1e-4)
         assert metrics["nmse"] == pytest.approx(plain_metrics["nmse"], rel=1e-5)
 

@@ -9,20 +9,21 @@ Public API::
                                 blocks=8, latents=64)
     y = model(x, mask=None)   # [B, N, in_dim] -> [B, N, out_dim]
 
-    p = flarepp.load("runs/darcy-tiny")        # a trained run: model + normalisers
+    p = flarepp.load("runs/darcy-tiny")        # a trained run: p.surrogate, p.execution
     u = p.predict(points, features=a)          # fields in physical units (NumPy)
 
-The package root sits on the top floor (``api``, docs/architecture.md); ``load`` and
-``Predictor`` are imported on first use, so ``import flarepp.ops`` stays light.
+The package root sits on the top floor (``api``, docs/architecture.md); ``load``,
+``Predictor`` and ``Execution`` are imported on first use, so ``import flarepp.ops`` stays
+light.
 """
 
 from flarepp.mixers import MIXERS, Mixer, MixerConfig, build_mixer, list_mixers
-from flarepp.models import MODELS, build_model, list_models, model_from_config
+from flarepp.models import MODELS, Surrogate, build_model, list_models, model_from_config
 from flarepp.models.backbone import compile_model
 from flarepp.ops import decode, encode, encode_with_lse, set_backend
 from flarepp.version import __version__
 
-_API = ("load", "Predictor")
+_API = ("load", "Predictor", "Execution")
 
 
 def __getattr__(name: str):
@@ -33,7 +34,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "MIXERS", "MODELS", "Mixer", "MixerConfig", "Predictor", "__version__", "build_mixer",
+    "Execution", "MIXERS", "MODELS", "Mixer", "MixerConfig", "Predictor", "Surrogate",
+    "__version__", "build_mixer",
     "build_model", "compile_model", "decode", "encode", "encode_with_lse", "list_mixers",
     "list_models", "load", "model_from_config", "set_backend",
 ]

@@ -9,8 +9,22 @@
 
 :func:`load` rebuilds the model from the checkpoint alone (a finished run's reported
 checkpoint, else its newest) with the normalisers and the input layout the run stored, on
-any device; :meth:`~flarepp.inference.predictor.Predictor.predict` normalises, runs
-(plain, or streamed with ``chunk_size``) and de-normalises in one place.
+any device, and returns a :class:`~flarepp.inference.predictor.Predictor`, the pair a server
+wraps:
+
+* ``p.surrogate``: a :class:`~flarepp.models.surrogate.Surrogate`, an ``nn.Module`` whose
+  ``forward(x [B, N, I], mask [B, N], conditioning [B, K, C])`` takes and returns physical
+  units (the model with its maps as buffers: ``normalise``, ``denormalise``);
+* ``p.execution``: an :class:`~flarepp.inference.execution.Execution`, the frozen setting
+  of how it runs (device, precision, token sharding, streaming ``chunk_size``, hidden-state
+  placement, progress, thread timing); ``dataclasses.replace`` changes one;
+* ``p.layout``: an :class:`~flarepp.inference.predictor.InputLayout` (input channels, which
+  are coordinates, their names, conditions, output field names and units) and
+  ``p.config`` the run's config;
+* ``p.predict(points, features=, conditions=, mask=, chunk_size=, batch_size=, as_torch=)``:
+  NumPy or torch in, physical fields out, each wrong shape a sentence
+  (:class:`~flarepp.inference.predictor.PredictorError`), through
+  :func:`~flarepp.inference.execution.predict_tokens`.
 """
 
 from __future__ import annotations
@@ -19,13 +33,16 @@ from pathlib import Path
 
 import torch
 
+from flarepp.inference.execution import Execution
 from flarepp.inference.predictor import InputLayout, Predictor, PredictorError, load_predictor
+from flarepp.models.surrogate import Surrogate
 
 
 def load(path: str | Path, *, device: str | torch.device = "auto",
          precision: str | None = None, weights: str | None = None,
          chunk_size: int | None = None) -> Predictor:
-    """The :class:`~flarepp.inference.predictor.Predictor` of a run directory or checkpoint.
+    """The :class:`~flarepp.inference.predictor.Predictor` of a run directory or checkpoint
+    (module docstring).
 
     ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:K``;
     ``precision``: ``fp32``, ``bf16`` or ``fp16`` autocast (default the run's);
@@ -35,4 +52,4 @@ def load(path: str | Path, *, device: str | torch.device = "auto",
                           chunk_size=chunk_size)
 
 
-__all__ = ["InputLayout", "Predictor", "PredictorError", "load"]
+__all__ = ["Execution", "InputLayout", "Predictor", "PredictorError", "Surrogate", "load"]

@@ -4,7 +4,7 @@ One process, interleaved rounds: every round times one forward of each engine at
 (the order of the two engines alternating between rounds), after one warm-up forward each,
 so a load change on a shared machine hits both alike; the ratio is taken per round and its
 median reported. Both run the same function: the model with its normalisers inside
-(:class:`~flarepp.inference.export.PhysicalForward`), FP32, exported once with a dynamic
+(a :class:`~flarepp.models.surrogate.Surrogate`), FP32, exported once with a dynamic
 point count (:func:`~flarepp.inference.export.export_onnx`), and their outputs are compared
 at every N (``max_abs_diff``).
 """
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from flarepp.data import Normalizer
-from flarepp.inference.export import PhysicalForward, example_inputs, export_onnx, physical_forward
-from flarepp.models import build_model
+from flarepp.inference.export import example_inputs, export_onnx, exported_surrogate
+from flarepp.inference.predictor import load_predictor
+from flarepp.models import Surrogate, build_model
 
 DEFAULT_MODEL = dict(mixer="flarepp", in_dim=3, out_dim=1, dim=64, heads=4, blocks=3,
                      latents=32)
@@ -30,19 +30,16 @@ DEFAULT_MODEL = dict(mixer="flarepp", in_dim=3, out_dim=1, dim=64, heads=4, bloc
 
 
 def benchmark_module(run: str | Path | None, model: dict[str, Any] | None = None
-                     ) -> PhysicalForward:
+                     ) -> Surrogate:
     """The run's exported function (FP32, CPU), or a :data:`DEFAULT_MODEL`-like FLARE++ with
-    identity normalisers."""
+    identity maps (zero shift, unit scale)."""
     if run is not None:
-        from flarepp.inference.predictor import load_predictor
-        return physical_forward(load_predictor(run, device="cpu", precision="fp32"))
+        return exported_surrogate(load_predictor(run, device="cpu", precision="fp32"))
     settings = {**DEFAULT_MODEL, **(model or {})}
     torch.manual_seed(0)
-    channels = settings["in_dim"]
-    return PhysicalForward(build_model(**settings).eval(),
-                           Normalizer(np.zeros(channels), np.ones(channels)),
-                           Normalizer(np.zeros(settings["out_dim"]),
-                                      np.ones(settings["out_dim"]))).eval()
+    identity = {role: (np.zeros(n, np.float32), np.ones(n, np.float32)) for role, n in
+                (("inputs", settings["in_dim"]), ("outputs", settings["out_dim"]))}
+    return Surrogate(build_model(**settings), **identity).eval()
 
 
 def bench_export(sizes: list[int], *, rounds: int = 3, batch: int = 1,

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from flarepp.cli import check_output
+from flarepp.inference.export import FORMATS, export_run
+from flarepp.storage.rundir import RunDir
 
 
 def _export(args: argparse.Namespace) -> int:
-    from flarepp.inference.export import export_run
-    from flarepp.storage.rundir import RunDir
     run = Path(args.run)
     out = args.out or RunDir(run if run.is_dir() else run.parent.parent).exported(args.format)
     check_output(out, directory=False)
@@ -25,7 +25,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.inference.export import FORMATS
     p = sub.add_parser("export", help="a run's model with its normalisers as a standalone "
                        "file: pt2 (torch.export), onnx, safetensors")
     p.add_argument("run", help="a run directory (its reported checkpoint) or a checkpoint")

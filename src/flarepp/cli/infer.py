@@ -5,21 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
 
 from flarepp.cli import CLIError, add_threads_argument, at_least, check_output
 from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
+from flarepp.distributed import context_parallel
+from flarepp.distributed.mesh import launch
 from flarepp.distributed.streaming import HIDDEN_ON
+from flarepp.inference.infer import (Case, geometry_case, predict_cases, read_cases,
+                                     write_on_mesh, write_predictions)
+from flarepp.inference.predictor import Predictor, load_predictor
+from flarepp.models.backbone import compile_model
+from flarepp.threads import SHARED_BY_RANKS, ThreadTuner
 
 
-def _infer(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from flarepp.distributed import context_parallel
-    from flarepp.distributed.mesh import launch
-    from flarepp.inference.infer import (geometry_case, predict_cases, read_cases,
-                                         write_on_mesh, write_predictions)
-    from flarepp.inference.predictor import load_predictor
-    from flarepp.threads import SHARED_BY_RANKS, ThreadTuner
+def _check_options(args: argparse.Namespace) -> None:
     check_output(args.out, directory=False)
     if (args.data is None) == (args.geometry is None):
         raise CLIError("give the cases to predict: --data (a dataset, store or .npz) or "
@@ -31,64 +33,83 @@ def _infer(args: argparse.Namespace) -> int:
                        "they need --chunk-size")
     if args.memmap_dir and not Path(args.memmap_dir).is_dir():
         raise CLIError(f"--memmap-dir {args.memmap_dir}: no such directory")
-    predictor = load_predictor(args.checkpoint, device=args.device, precision=args.precision,
-                               chunk_size=args.chunk_size).replace(
-        hidden_on=args.hidden_on, memmap_dir=args.memmap_dir,
-        progress=args.chunk_size is not None and not args.context_parallel)
-    predictor = predictor.replace(threads=ThreadTuner(
-        device=predictor.device, say=lambda line: print(line, file=sys.stderr),
-        skip="not measured: one streamed pass" if args.chunk_size else
-        SHARED_BY_RANKS if args.context_parallel else None))
+
+
+def _predictor(args: argparse.Namespace) -> Predictor:
+    """The run's predictor under the command's execution: streaming and its hidden state,
+    a progress bar, the forwards timed to choose the threads, compiled blocks."""
+    predictor = load_predictor(args.checkpoint, device=args.device, precision=args.precision)
+    streamed = args.chunk_size is not None
+    threads = ThreadTuner(device=predictor.execution.device,
+                          say=lambda line: print(line, file=sys.stderr),
+                          skip="not measured: one streamed pass" if streamed else
+                          SHARED_BY_RANKS if args.context_parallel else None)
+    predictor = predictor.with_execution(
+        chunk_size=args.chunk_size, hidden_on=args.hidden_on, memmap_dir=args.memmap_dir,
+        progress=streamed and not args.context_parallel, threads=threads)
     if args.compile:
-        from flarepp.models.backbone import compile_model
         compile_model(predictor.model)
+    return predictor
+
+
+def _cases(args: argparse.Namespace, predictor: Predictor) -> Iterator[Case]:
+    if args.geometry is None:
+        return read_cases(predictor, args.data, split=args.split, dataset=args.dataset)
+    if predictor.config.task != "surface":
+        raise CLIError(f"--geometry gives cell centres and normals, the surface task's "
+                       f"inputs; this is a {predictor.config.task!r} run (use --data)")
+    return iter([geometry_case(args.geometry)])
+
+
+def _shown(results: Iterable[dict[str, Any]], how: str) -> Iterator[dict[str, Any]]:
+    """Each result passed on after its line: shape, points, seconds, errors, the force,
+    peak memory, the meshes written; a warning for non-finite predictions."""
+    for r in results:
+        bad = ~np.isfinite(r["pred"]).all(axis=-1) & (True if r["mask"] is None else r["mask"])
+        if bad.any():
+            print(f"warning: {int(bad.any(axis=1).sum())} of {len(r['pred'])} sample(s) "
+                  "have non-finite predictions (the model overflowed; try --device cpu "
+                  "or a checkpoint trained in fp32)", file=sys.stderr)
+        error = ("" if "rel_l2" not in r else f", mean relative L2 "
+                 f"{100 * np.mean(r['rel_l2']):.3f}%" + (
+                     "" if r["name"] is None else f", nmse {r['nmse']:.4g}%"))
+        force = ("" if "force" not in r else ", predicted force [" + ", ".join(
+            f"{f:.4g}" for f in r["force"]) + "] (sum of (-p n + tau) A)")
+        print(f"{r['name'] or 'pred'} {list(r['pred'].shape)}: {r['cells']} points in "
+              f"{r['seconds']:.1f} s ({how}){error}{force}; peak host memory so far "
+              f"{r['peak_gib']:.2f} GiB", flush=True)
+        for path in r.get("meshes", ()):
+            print(f"  wrote {path}")
+        yield r
+
+
+def _written(args: argparse.Namespace, predictor: Predictor,
+             results: Iterable[dict[str, Any]], how: str) -> list[dict]:
+    if args.write_mesh:
+        results = write_on_mesh(args.write_mesh, results, predictor)
+    return write_predictions(args.out, _shown(results, how))
+
+
+def _infer(args: argparse.Namespace) -> int:
+    _check_options(args)
+    predictor = _predictor(args)
+    cases = _cases(args, predictor)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
-    if args.geometry is not None:
-        if predictor.config.task != "surface":
-            raise CLIError(f"--geometry gives cell centres and normals, the surface task's "
-                           f"inputs; this is a {predictor.config.task!r} run (use --data)")
-        cases = iter([geometry_case(args.geometry)])
-    else:
-        cases = read_cases(predictor, args.data, split=args.split, dataset=args.dataset)
-
-    def shown(results):
-        for r in results:
-            bad = ~np.isfinite(r["pred"]).all(axis=-1) & (True if r["mask"] is None
-                                                         else r["mask"])
-            if bad.any():
-                print(f"warning: {int(bad.any(axis=1).sum())} of {len(r['pred'])} sample(s) "
-                      "have non-finite predictions (the model overflowed; try --device cpu "
-                      "or a checkpoint trained in fp32)", file=sys.stderr)
-            error = ("" if "rel_l2" not in r else f", mean relative L2 "
-                     f"{100 * np.mean(r['rel_l2']):.3f}%" + (
-                         "" if r["name"] is None else f", nmse {r['nmse']:.4g}%"))
-            force = ("" if "force" not in r else ", predicted force [" + ", ".join(
-                f"{f:.4g}" for f in r["force"]) + "] (sum of (-p n + tau) A)")
-            print(f"{r['name'] or 'pred'} {list(r['pred'].shape)}: {r['cells']} points in "
-                  f"{r['seconds']:.1f} s ({how}){error}{force}; peak host memory so far "
-                  f"{r['peak_gib']:.2f} GiB", flush=True)
-            for path in r.get("meshes", ()):
-                print(f"  wrote {path}")
-            yield r
-
-    def predicted(results):
-        return results if not args.write_mesh else write_on_mesh(args.write_mesh, results,
-                                                                 predictor)
-
+    source = str(args.data or args.geometry)
     if not args.context_parallel:
-        done = write_predictions(args.out, shown(predicted(predict_cases(
-            predictor, cases, source=str(args.data or args.geometry),
-            batch_size=args.batch_size))))
+        done = _written(args, predictor, predict_cases(
+            predictor, cases, source=source, batch_size=args.batch_size), how)
     else:
-        with launch(predictor.device, context_parallel=0, timeout_s=args.timeout) as plan:
+        with launch(predictor.execution.device, context_parallel=0,
+                    timeout_s=args.timeout) as plan:
             with context_parallel(predictor.model, plan.cp_group):
-                results = predict_cases(predictor.replace(plan=plan), cases,
-                                        source=str(args.data), batch_size=args.batch_size)
+                results = predict_cases(predictor.with_execution(plan=plan), cases,
+                                        source=source, batch_size=args.batch_size)
                 if not plan.is_writer:
                     for _ in results:
                         pass
                     return 0
-                done = write_predictions(args.out, shown(predicted(results)))
+                done = _written(args, predictor, results, how)
     print(f"wrote {args.out}: {len(done)} case(s) ({how})")
     return 0
 

@@ -23,13 +23,14 @@ from typing import Any, Callable
 
 import torch
 
-from flarepp.device import amp_dtype, resolve_device
-from flarepp.storage.config import EVAL_WEIGHTS
+from flarepp.device import resolve_device
+from flarepp.distributed import context_parallel
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.tasks import Task, build_task
-from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
-from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
+from flarepp.inference.execution import Execution
+from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
+from flarepp.storage.config import EVAL_WEIGHTS, RunConfig
+from flarepp.tasks import Task, build_task
 from flarepp.threads import SHARED_BY_RANKS, ThreadTuner, thread_budget
 
 
@@ -99,18 +100,16 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     device = next(model.parameters()).device
     models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
     precision = precision or config.precision
-    amp_dtype(precision)  # refuses an unknown precision, naming the known ones
-    engine = Engine(task, device, precision, plan=parallel, chunk_size=chunk_size,
-                    workers=config.workers(device.type))
-    if parallel.cp_group is not None:
-        from flarepp.distributed import context_parallel
-        for each in models.values():
-            context_parallel(each, parallel.cp_group)
+    workers = config.workers(device.type)
     forwards = sum(-(-task.num_samples(split) // task.eval_batch_size())
                    for split in splits or task.eval_splits) * (1 if config.ema_decay == 0 else 2)
-    engine.threads = ThreadTuner(steps=forwards, budget=thread_budget(engine.workers),
-                                 device=device, say=say,
-                                 skip=SHARED_BY_RANKS if parallel.mesh is not None else None)
+    threads = ThreadTuner(steps=forwards, budget=thread_budget(workers), device=device,
+                          say=say, skip=SHARED_BY_RANKS if parallel.mesh is not None else None)
+    engine = Engine(task, Execution(device, precision, plan=parallel, chunk_size=chunk_size,
+                                    threads=threads), workers=workers)
+    if parallel.cp_group is not None:
+        for each in models.values():
+            context_parallel(each, parallel.cp_group)
     metrics: dict[str, Any] = {}
     for split in splits or task.eval_splits:
         results = evaluate_weights(engine, split, task.eval_batch_size(), models,
@@ -124,7 +123,7 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
                     "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),
                     "device": str(device), "checkpoint": str(path),
-                    "threads": engine.threads.choice.record() if engine.threads.choice
+                    "threads": threads.choice.record() if threads.choice
                     else {"threads": torch.get_num_threads(), "how": "being measured"}})
     return metrics
 
@@ -141,7 +140,7 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
     model, task, config, _state = load_for_evaluation(path, data_root=data_root,
                                                       device=device)
     device = next(model.parameters()).device
-    engine = Engine(task, device, config.precision, chunk_size=chunk_size,
+    engine = Engine(task, Execution(device, config.precision, chunk_size=chunk_size),
                     workers=config.workers(device.type))
     split = task.eval_splits[0]
     result, records = engine.evaluate(model, split, task.eval_batch_size())

@@ -2,20 +2,20 @@
 
 Shape letters: B samples, N points, I input and O output channels.
 
-The exported function is the plain forward with the run's normalisers inside
-(:class:`PhysicalForward`): physical inputs ``x [B, N, I]`` and a padding mask ``mask
-[B, N]`` (bool, True at real points) to physical outputs ``y [B, N, O]`` (zero at padding),
-FP32, with B and N dynamic. It is the :class:`~flarepp.inference.predictor.Predictor`'s
-normalise / run / de-normalise in one graph, without its streamed and token-sharded
-execution: those stay in PyTorch (``flarepp infer --chunk-size``, ``--context-parallel``).
+The exported function is the run's :class:`~flarepp.models.surrogate.Surrogate` itself, its
+plain forward: physical inputs ``x [B, N, I]`` and a padding mask ``mask [B, N]`` (bool,
+True at real points) to physical outputs ``y [B, N, O]`` (zero at padding), FP32, with B
+and N dynamic, the maps traced in as buffers. Streamed and token-sharded execution stay in
+PyTorch (``flarepp infer --chunk-size``, ``--context-parallel``).
 
 * ``pt2``: ``torch.export.export`` saved with ``torch.export.save``; loads with
   ``torch.export.load(path).module()(x, mask)`` where only torch is installed.
 * ``onnx``: ``torch.onnx.export(..., dynamo=True)`` (needs ``onnx`` and ``onnxscript``),
   inputs ``x`` and ``mask``, output ``y``; runs under onnxruntime.
-* ``safetensors``: the model's weights and the normalisers' shifts and scales as named
-  tensors, the model config and input layout as JSON metadata (rebuild the model with
-  ``flarepp.models.model_from_config``).
+* ``safetensors``: the surrogate's state dict (the model's weights under ``model.``, the
+  maps as ``input_shift``, ``input_scale``, ``output_shift``, ``output_scale``), the model
+  config and input layout as JSON metadata (rebuild with
+  ``Surrogate(flarepp.models.model_from_config(config), inputs=..., outputs=...)``).
 
 Every export is checked before it is kept: the file is loaded back and run at a point count
 and batch unlike the example's, with padding, against the PyTorch forward (the dynamo ONNX
@@ -25,6 +25,7 @@ export of SDPA can fix a dynamic dimension to the example's size, pytorch issue 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 from pathlib import Path
@@ -32,11 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch import nn
 
-from flarepp.data import Normalizer
-from flarepp.io import atomic_write, atomic_write_bytes
 from flarepp.inference.predictor import Predictor, load_predictor
+from flarepp.io import atomic_write, atomic_write_bytes
+from flarepp.models import model_from_config
+from flarepp.models.surrogate import Surrogate
+from flarepp.version import __version__
 
 FORMATS = ("pt2", "onnx", "safetensors")
 EXPORT_EXTRA = "pip install 'flarepp[export]'"
@@ -50,29 +52,20 @@ class ExportError(ValueError):
     reproduce the PyTorch forward."""
 
 
-class PhysicalForward(nn.Module):
-    """``y = decode(model(encode(x) * m, mask)) * m`` with ``m`` the mask: the plain forward
-    with the run's normalisers as buffers, physical units in and out."""
-
-    def __init__(self, model: nn.Module, inputs: Normalizer, outputs: Normalizer) -> None:
-        super().__init__()
-        self.model = model
-        for name, values in (("input_shift", inputs.mean), ("input_scale", inputs.std),
-                             ("output_shift", outputs.mean), ("output_scale", outputs.std)):
-            self.register_buffer(name, torch.as_tensor(np.asarray(values, np.float32)))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        real = mask[..., None].to(x.dtype)
-        y = self.model((x - self.input_shift) / self.input_scale * real, mask=mask)
-        return (y.float() * self.output_scale + self.output_shift) * real
-
-
-def physical_forward(predictor: Predictor) -> PhysicalForward:
-    """The predictor's plain forward as one module (FP32, eval mode, its device)."""
+def exported_surrogate(predictor: Predictor) -> Surrogate:
+    """The predictor's surrogate as it is exported (eval mode; its device and weights); a
+    conditioned model is refused in a sentence."""
     if predictor.layout is not None and predictor.layout.conditions is not None:
         raise ExportError("this run's model is conditioned on per-sample tokens; export "
                           "takes models of points alone (x and mask) for now")
-    return PhysicalForward(predictor.model, predictor.inputs, predictor.outputs).eval()
+    return predictor.surrogate.eval()
+
+
+def _channels(module: Surrogate) -> int:
+    """Input channels of the exported function."""
+    if module.input_shift is not None:
+        return int(module.input_shift.numel())
+    return int(module.model.config.in_dim)
 
 
 def example_inputs(channels: int, batch: int, points: int, *, padded: bool,
@@ -94,7 +87,6 @@ def _dynamic_shapes() -> dict[str, dict[int, Any]]:
 
 
 def _require(*modules: str) -> None:
-    import importlib
     for name in modules:
         try:
             importlib.import_module(name)
@@ -103,7 +95,7 @@ def _require(*modules: str) -> None:
                               f"installed: {EXPORT_EXTRA}") from None
 
 
-def _exporting(what: str, module: nn.Module, call: Callable[[], Any]) -> Any:
+def _exporting(what: str, module: Surrogate, call: Callable[[], Any]) -> Any:
     """``call()``, with an exporter's failure as one sentence naming the architecture."""
     try:
         return call()
@@ -120,10 +112,10 @@ def _exporting(what: str, module: nn.Module, call: Callable[[], Any]) -> Any:
                             f"{first[:300]}") from None
 
 
-def export_pt2(module: PhysicalForward, path: Path) -> Callable:
+def export_pt2(module: Surrogate, path: Path) -> Callable:
     """``torch.export`` with B and N dynamic, saved with ``torch.export.save``; returns the
     loaded file's function."""
-    x, mask = example_inputs(int(module.input_shift.numel()), *EXAMPLE, padded=True)
+    x, mask = example_inputs(_channels(module), *EXAMPLE, padded=True)
     program = _exporting("torch.export", module, lambda: torch.export.export(
         module, (x, mask), dynamic_shapes=_dynamic_shapes()))
     buffer = io.BytesIO()       # torch.export.save names a file by its .pt2 suffix
@@ -133,12 +125,12 @@ def export_pt2(module: PhysicalForward, path: Path) -> Callable:
     return lambda x, mask: loaded(x, mask).detach().numpy()
 
 
-def export_onnx(module: PhysicalForward, path: Path) -> Callable:
+def export_onnx(module: Surrogate, path: Path) -> Callable:
     """``torch.onnx.export(dynamo=True)`` with B and N dynamic; returns an onnxruntime
     session's function (CPU)."""
     _require("onnx", "onnxscript", "onnxruntime")
     import onnxruntime
-    x, mask = example_inputs(int(module.input_shift.numel()), *EXAMPLE, padded=True)
+    x, mask = example_inputs(_channels(module), *EXAMPLE, padded=True)
 
     def write(tmp: Path) -> None:
         with contextlib.redirect_stdout(io.StringIO()):   # the exporter's progress lines
@@ -151,32 +143,30 @@ def export_onnx(module: PhysicalForward, path: Path) -> Callable:
     return lambda x, mask: session.run(["y"], {"x": x.numpy(), "mask": mask.numpy()})[0]
 
 
-def export_safetensors(module: PhysicalForward, path: Path, metadata: dict[str, str]
+def export_safetensors(module: Surrogate, path: Path, metadata: dict[str, str]
                        ) -> Callable:
-    """The weights and normalisers as named tensors, the model config as metadata; returns
-    the forward of a model rebuilt from the file alone."""
+    """The surrogate's state dict as named tensors, the model config as metadata; returns
+    the forward of a surrogate rebuilt from the file alone."""
     _require("safetensors")
     from safetensors.torch import load_file, save
-
-    from flarepp.models import model_from_config
     tensors = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
     # as bytes: safetensors' own file writer recreates the file with mode 0600
     atomic_write_bytes(path, save(tensors, metadata=metadata))
     restored = load_file(str(path))
-    model = model_from_config(json.loads(metadata["model_config"])).eval()
-    rebuilt = PhysicalForward(model, Normalizer(np.zeros(1), np.ones(1)),
-                              Normalizer(np.zeros(1), np.ones(1)))
-    for name in ("input_shift", "input_scale", "output_shift", "output_scale"):
-        setattr(rebuilt, name, restored[name])
+    maps = {role: (restored[f"{prefix}_shift"], restored[f"{prefix}_scale"])
+            for role, prefix in (("inputs", "input"), ("outputs", "output"))
+            if f"{prefix}_shift" in restored}
+    rebuilt = Surrogate(model_from_config(json.loads(metadata["model_config"])), **maps)
     rebuilt.load_state_dict(restored)
+    rebuilt.eval()
     return lambda x, mask: rebuilt(x, mask).detach().numpy()
 
 
-def check_export(module: PhysicalForward, run: Callable, fmt: str) -> float:
+def check_export(module: Surrogate, run: Callable, fmt: str) -> float:
     """The exported function against the PyTorch forward at :data:`CHECK` (another batch
     and point count than the example's, with padding): the largest difference relative to
     the largest output; :class:`ExportError` beyond :data:`TOLERANCE`."""
-    x, mask = example_inputs(int(module.input_shift.numel()), *CHECK, padded=True, seed=1)
+    x, mask = example_inputs(_channels(module), *CHECK, padded=True, seed=1)
     with torch.no_grad():
         want = module(x, mask).numpy()
     try:
@@ -205,7 +195,7 @@ def export_run(path: str | Path, out: str | Path, fmt: str, *,
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
     predictor = load_predictor(path, device="cpu", precision="fp32", weights=weights)
-    module = physical_forward(predictor)
+    module = exported_surrogate(predictor)
     out = Path(out)
     layout = predictor.layout
     facts = {"inputs": {"x": ["B", "N", layout.channels], "mask": ["B", "N"]},
@@ -218,7 +208,6 @@ def export_run(path: str | Path, out: str | Path, fmt: str, *,
     elif fmt == "onnx":
         run = export_onnx(module, out)
     else:
-        from flarepp.version import __version__
         run = export_safetensors(module, out, {
             "model_config": json.dumps(predictor.model.config.to_dict()),
             "layout": json.dumps(facts), "flarepp": __version__})
@@ -230,5 +219,5 @@ def export_run(path: str | Path, out: str | Path, fmt: str, *,
     return {"path": str(out), "format": fmt, "deviation": deviation, **facts}
 
 
-__all__ = ["EXAMPLE", "CHECK", "ExportError", "FORMATS", "PhysicalForward", "check_export",
-           "example_inputs", "export_run", "physical_forward"]
+__all__ = ["EXAMPLE", "CHECK", "ExportError", "FORMATS", "check_export", "example_inputs",
+           "export_run", "exported_surrogate"]

@@ -1,5 +1,6 @@
 """``flarepp infer``'s one flow: read cases, check them against the run's model, predict
-each through the :class:`~flarepp.inference.predictor.Predictor`, write them as they come.
+each through the :class:`~flarepp.inference.predictor.Predictor` (its surrogate under its
+execution), write them as they come.
 
 Shape letters: S samples, N points, I input and O output channels.
 
@@ -33,11 +34,13 @@ import torch
 
 from flarepp.data import DataError, MeshSamples, load_dataset
 from flarepp.data.loaders import read_npz
+from flarepp.data.meshes import cell_geometry, point_cloud, read_mesh, write_fields
 from flarepp.data.store import StoreSamples
-from flarepp.storage.locks import file_safe
 from flarepp.device import peak_host_memory
-from flarepp.io import atomic_write
 from flarepp.inference.predictor import Predictor, PredictorError
+from flarepp.io import atomic_write
+from flarepp.plots import plot_fields
+from flarepp.storage.locks import file_safe
 from flarepp.tasks import TASKS
 from flarepp.tasks.surface import METRIC_SCALE, integrated_forces
 
@@ -77,9 +80,10 @@ def read_cases(predictor: Predictor, data: str | Path, *, split: str = "test",
                     f"{list(x.shape)}" + ("" if mask is None else f", mask {list(mask.shape)}"))
             yield Case(None, x, None, mask)
             return
-    task = TASKS.get(config.task)
-    if hasattr(task, "inference_cases") and not dataset and path.suffix != ".npz":
-        for name, x, y, source in task.inference_cases(config, data, split):
+    own = (None if dataset or path.suffix == ".npz"
+           else TASKS.get(config.task).inference_cases(config, data, split))
+    if own is not None:
+        for name, x, y, source in own:
             yield Case(name, x, y, source=source, association="cell")
         return
     name = dataset or config.dataset
@@ -114,7 +118,6 @@ def geometry_case(path: str | Path) -> Case:
     read_mesh` reads) as the surface task's inputs: each cell's centre and unit normal
     (:func:`~flarepp.data.meshes.cell_geometry`, as the DrivAerML reader computes them), its
     area kept for the integrated force."""
-    from flarepp.data.meshes import cell_geometry, read_mesh
     path = Path(path)
     cells = cell_geometry(read_mesh(path), path)
     if cells.dimension != 2:
@@ -177,7 +180,8 @@ def predict_cases(predictor: Predictor, cases: Iterable[Case], *, source: str = 
             err = (pred.astype(np.float64) - case.y) * real[..., None]
             ref = np.asarray(case.y, np.float64) * real[..., None]
             rel = np.sqrt(np.square(err).sum((1, 2)) / np.square(ref).sum((1, 2)))
-            standardised = err[real] / predictor.outputs.std.astype(np.float64)
+            scale = predictor.surrogate.output_scale.double().cpu().numpy()
+            standardised = err[real] / scale
             result.update(rel_l2=rel, nmse=METRIC_SCALE * float(np.mean(np.square(standardised))))
         result["peak_gib"] = peak_host_memory() / 2 ** 30
         yield result
@@ -219,8 +223,6 @@ def write_on_mesh(out_dir: str | Path, results: Iterable[dict[str, Any]],
                   predictor: Predictor) -> Iterator[dict[str, Any]]:
     """Each result of :func:`predict_cases` passed on after its samples are written onto
     their meshes in ``out_dir`` (module docstring), with ``meshes``: the files written."""
-    from flarepp.data.meshes import point_cloud, read_mesh, write_fields
-    from flarepp.plots import plot_fields
     layout = predictor.layout
     names = [file_safe(n) for n in (layout.field_names if layout else ())]
     out_dir = Path(out_dir)

@@ -1,5 +1,5 @@
 """One car predicted again by finished runs for a side-by-side figure (Figures 13-14),
-through the one predictor (``flarepp drivaerml figures``).
+through the one prediction path (``flarepp drivaerml figures``).
 
 Shape letters: N cells, I = 6 inputs (cell centre, unit normal), O = 4 outputs.
 """
@@ -12,18 +12,19 @@ from typing import Sequence
 import numpy as np
 
 from flarepp.data import DataError
+from flarepp.inference.batching import to_device
 from flarepp.inference.engine import Engine
 from flarepp.inference.evaluate import load_for_evaluation
-from flarepp.plots3d import CASE_FILE, model_label
+from flarepp.inference.execution import Execution
+from flarepp.plots3d import CASE_FILE, model_label, plot_surface_case
 from flarepp.storage.rundir import NotARunDirectory, RunDir
 
 
 def predict_car(run_dir: Path, car: str, *, chunk_size: int | None = None,
-                     device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
+                device: str = "auto") -> tuple[np.ndarray, np.ndarray, Path]:
     """``(prediction, reference, .vtp)`` of test car ``car`` by a finished run's final
     model (the weights the run reports, ``eval_weights``), in m^2/s^2 (streamed in chunks
     of ``chunk_size`` cells when given)."""
-    from flarepp.inference.batching import to_device
     checkpoint = RunDir(run_dir).reported_checkpoint()
     if checkpoint is None:
         raise NotARunDirectory(f"{str(run_dir)!r} holds no checkpoint to predict {car} with")
@@ -32,8 +33,8 @@ def predict_car(run_dir: Path, car: str, *, chunk_size: int | None = None,
     if car not in runs:
         raise DataError(f"{car} is not a test run of {task.data.surfaces.split_file}")
     index = runs.index(car)
-    engine = Engine(task, next(model.parameters()).device, config.precision,
-                    chunk_size=chunk_size)
+    engine = Engine(task, Execution(next(model.parameters()).device, config.precision,
+                                    chunk_size=chunk_size))
     batch = to_device(task.collate([task.get("test", index, index)]), engine.device)
     pred = engine.predict(model, batch)[0].float().cpu().numpy()
     run = task.data.surfaces.load(car)
@@ -46,7 +47,6 @@ def plot_runs_together(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
     """Figures 13-14 with several finished runs' predictions of one car (e.g. FLARE and
     FLARE++): the car the last run saved (the median-error car of the first 10 by its
     errors); a run that saved another car predicts this one again from its checkpoint."""
-    from flarepp.plots3d import plot_surface_case
     runs = [Path(d) for d in run_dirs]
     with np.load(RunDir(runs[-1]).file(CASE_FILE)) as case:
         chosen, truth = str(case["run"]), case["truth"]
@@ -62,7 +62,7 @@ def plot_runs_together(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
             pred = case["pred"] if saved else None
         if pred is None:
             pred, _, _ = predict_car(directory, chosen, chunk_size=chunk_size,
-                                          device=device)
+                                     device=device)
         predictions[label] = pred
     return plot_surface_case(source, truth, predictions, out_dir, case_name=chosen,
                              backend=backend)

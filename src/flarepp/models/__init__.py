@@ -3,6 +3,7 @@
 ``build_model(arch="surrogate", mixer="flarepp", in_dim=2, out_dim=1, ...)`` builds the
 shared residual backbone around a mixer; other architectures register their own config
 class and builder. ``model_from_config(model.config.to_dict())`` rebuilds any of them.
+:class:`~flarepp.models.surrogate.Surrogate` is a model with its maps to physical units.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flarepp.models.perceiver_io import PerceiverIO
 from flarepp.models.set_transformer import SetTransformer
 from flarepp.models.sequence import SequenceClassifier
 from flarepp.models.registry import MODELS
+from flarepp.models.surrogate import Surrogate, UnitMaps
 
 MODELS.add("surrogate", SurrogateModel,
            doc="shared residual backbone of Table 7 around a registered mixer")
@@ -67,5 +69,5 @@ def model_from_config(config: dict[str, Any]) -> nn.Module:
     return build_model(config.pop("arch", "surrogate"), **config)
 
 
-__all__ = ["MODELS", "SurrogateConfig", "SurrogateModel", "build_model", "list_models",
-           "model_from_config"]
+__all__ = ["MODELS", "Surrogate", "SurrogateConfig", "SurrogateModel", "UnitMaps",
+           "build_model", "list_models", "model_from_config"]

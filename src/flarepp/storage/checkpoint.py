@@ -23,7 +23,7 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from torch import nn
 from flarepp.data import Normalizer
 from flarepp.device import HOST
 from flarepp.io import atomic_write, is_temporary
-from flarepp.models import model_from_config
+from flarepp.models import Surrogate, model_from_config
 from flarepp.storage.config import RunConfig, stored_version
 from flarepp.storage.rundir import CHECKPOINT_NAME, RunDir, checkpoint_epoch
 
@@ -302,6 +302,31 @@ def mesh_normalizers(state: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return norms
 
 
+MAP_ROLES = {"x": "inputs", "y": "outputs", "c": "conditions"}
+"""A run's normalisers by their stored name (``normalizers`` of a checkpoint, a task's
+``state_dict``) and the :class:`~flarepp.models.surrogate.Surrogate` map each becomes."""
+
+
+def unit_maps(normalizers: Mapping[str, Normalizer]) -> dict[str, tuple[np.ndarray, ...]]:
+    """The :class:`~flarepp.models.surrogate.Surrogate` maps of a run's normalisers:
+    ``{"inputs": (mean_x, std_x), "outputs": (mean_y, std_y), "conditions": (mean_c,
+    std_c)}`` for those of ``x``, ``y``, ``c`` given (:data:`MAP_ROLES`; others left out)."""
+    return {MAP_ROLES[name]: (norm.mean, norm.std) for name, norm in normalizers.items()
+            if name in MAP_ROLES}
+
+
+def rebuild_surrogate(state: dict[str, Any], path: str | Path, *, ema: bool | None = None
+                      ) -> Surrogate:
+    """A trained model in physical units: :func:`rebuild_model` with the checkpoint's
+    stored normalisers as its maps (:func:`unit_maps`); a sentence for a run of a task that
+    stores none (:func:`mesh_normalizers`). The checkpoint is read as stored: the same
+    normalisers evaluation and training used."""
+    stored = mesh_normalizers(state, path)
+    model = rebuild_model(state, path, ema=ema)
+    return Surrogate(model, **unit_maps({name: Normalizer.from_state_dict(stored[name])
+                                         for name in MAP_ROLES if name in stored}))
+
+
 def load_trained_model(path: str | Path, *, ema: bool | None = None) -> TrainedModel:
     """Rebuild the model from a checkpoint alone (by default with the weights the run
     reports, :func:`rebuild_model`)."""
@@ -331,8 +356,9 @@ def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None =
 
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
-           "TrainedModel", "atomic_write", "checkpoints_newest_first", "load_causal_lm",
-           "load_trained_model", "mesh_normalizers", "rebuild_model",
+           "MAP_ROLES", "TrainedModel", "atomic_write", "checkpoints_newest_first",
+           "load_causal_lm", "load_trained_model", "mesh_normalizers", "rebuild_model",
+           "rebuild_surrogate", "unit_maps",
            "newest_readable_checkpoint", "portable_state", "prune_checkpoints",
            "read_checkpoint", "remove_stale_temporaries", "save_checkpoint",
            "checkpoint_epoch"]

@@ -25,8 +25,7 @@ def check_task_config(config: Any) -> None:
     if getattr(config, "val_fraction", 0.0) > 0 and not task_cls.carves_validation:
         raise ValueError(f"val_fraction={config.val_fraction}: task {config.task!r} does not "
                          "carve a validation split from its training data (task fields does)")
-    if hasattr(task_cls, "check_config"):
-        task_cls.check_config(config)
+    task_cls.check_config(config)
 
 
 def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:

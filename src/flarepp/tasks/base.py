@@ -17,9 +17,9 @@ gives exactly the single-process loss and gradient.
 
 Evaluation convention. ``eval_records(pred, batch)`` turns a batch's predictions into
 per-sample records (numpy, keyed by name, with the sample ``index``); the predictions come
-from the one predictor (:class:`flarepp.inference.predictor.Predictor`), in physical units
-for a task with output normalisers (:meth:`Task.normalizers`), as the model gives them
-otherwise. The trainer gathers the records of every rank and ``summarize(split, records)``
+from the one prediction path (:func:`flarepp.inference.execution.predict_tokens`) through
+the task's :meth:`Task.surrogate`, in physical units for a task with output normalisers
+(:meth:`Task.normalizers`), as the model gives them otherwise. The trainer gathers the records of every rank and ``summarize(split, records)``
 returns the metrics (``metrics[task.headline]`` is the number that is reported, beside
 those named in ``reported``).
 """
@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
 from torch import nn
+
+from flarepp.models.surrogate import Surrogate, UnitMaps
+from flarepp.storage.checkpoint import unit_maps
 
 TokenSum = Callable[[torch.Tensor], torch.Tensor]
 Batch = dict[str, torch.Tensor]
@@ -90,8 +93,23 @@ class Task(abc.ABC):
     def build_model(self) -> nn.Module:
         """The model for this data (input and output widths from the data), on the CPU."""
 
+    def model_inputs(self, batch: Batch) -> Batch:
+        """The model's inputs in ``batch``, as :func:`~flarepp.inference.execution.
+        predict_tokens` feeds them: ``x [B, N, I]``, ``mask [B, N]`` and ``conditioning``
+        tokens ``[B, K, C]`` where the batch has them, in the model's units (the task's
+        data pipeline normalised them). A task with ``token_keys`` is predicted through it."""
+        return {key: batch[key] for key in ("x", "mask", "conditioning") if key in batch}
+
     def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return model(batch["x"], mask=batch.get("mask"))
+        """The model on a batch: ``model(x, mask=mask, conditioning=...)`` of
+        :meth:`model_inputs`; a task whose model takes other inputs overrides it."""
+        inputs = self.model_inputs(batch)
+        return model(inputs.pop("x"), **inputs)
+
+    def surrogate(self, model: nn.Module) -> Surrogate:
+        """``model`` in physical units: a :class:`~flarepp.models.surrogate.Surrogate`
+        with this task's maps (:meth:`normalizers`; the identity where it has none)."""
+        return Surrogate(model, **unit_maps(self.normalizers()))
 
     # -- loss and metrics ----------------------------------------------------------------
     @abc.abstractmethod
@@ -120,9 +138,9 @@ class Task(abc.ABC):
 
     def normalizers(self) -> dict[str, Any]:
         """The maps between physical units and the model's (:class:`flarepp.data.
-        Normalizer`): ``x`` inputs, ``y`` outputs, ``conditions`` per-sample tokens; ``{}``
-        for a task whose model sees its data as it is. The predictor de-normalises with
-        them; :meth:`state_dict` stores them."""
+        Normalizer`), named as stored: ``x`` inputs, ``y`` outputs, ``c`` per-sample
+        conditions; ``{}`` for a task whose model sees its data as it is. They become the
+        maps of :meth:`surrogate`; :meth:`state_dict` stores them."""
         return {}
 
     def describe_data(self) -> dict[str, Any]:
@@ -142,6 +160,11 @@ class Task(abc.ABC):
         (:func:`flarepp.storage.rundir.data_fingerprint`): ``--resume`` refuses other data
         and ``flarepp eval`` finds the run's data with it; ``{}`` if not applicable."""
         return {}
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise a ``ValueError`` naming the option if ``config`` sets one of this task's
+        options to a value it does not take, before any data is read; none by default."""
 
     def check_model(self, model_config: dict[str, Any]) -> None:
         """Raise a sentence if a model of ``model_config`` cannot take this task's data."""
@@ -172,6 +195,20 @@ class Task(abc.ABC):
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
         """Figures of a finished run, from the files of its directory alone."""
         return []
+
+    @classmethod
+    def inference_cases(cls, config: Any, data_root: str | Path, split: str
+                        ) -> Iterator[tuple[str, np.ndarray, np.ndarray, str]] | None:
+        """The task's own cases for ``flarepp infer`` on ``split`` of the data at
+        ``data_root``: ``(name, inputs [1, N, I], targets [1, N, O], source mesh file)`` in
+        physical units, one at a time; None (the default): the run's dataset's samples."""
+        return None
+
+
+def units_on(units: UnitMaps, device: torch.device) -> UnitMaps:
+    """``units`` on ``device``, moved there in place the first time it is asked for: a copy
+    from host memory in every step would wait for the device's queued work."""
+    return units if units.device == device else units.to(device)
 
 
 def pad_stack(arrays: list[np.ndarray], length: int, fill: float | int = 0) -> np.ndarray:

@@ -52,7 +52,9 @@ from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.registry import Registry
 from flarepp.storage.rundir import RunDir
-from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds
+from flarepp.models.surrogate import UnitMaps
+from flarepp.storage.checkpoint import unit_maps
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, collate_point_clouds, units_on
 from flarepp.tasks.registry import TASKS
 
 
@@ -408,6 +410,7 @@ class FieldTask(Task):
     def _set_normalizers(self, x_norm: Normalizer, y_norm: Normalizer,
                          c_norm: Normalizer | None = None) -> None:
         self.x_norm, self.y_norm, self.c_norm = x_norm, y_norm, c_norm
+        self.units = UnitMaps(**unit_maps(self.normalizers()))  # the loss de-normalises
         self._check_test_range()
 
     def _check_test_range(self) -> dict[int, float]:
@@ -483,24 +486,25 @@ class FieldTask(Task):
         return build_model(in_dim=self.splits.in_dim, out_dim=self.splits.out_dim,
                            **extra, **self.config.model_kwargs())
 
-    def forward(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """``model(x, mask)``; a conditioned model also gets the batch's conditions as one
+    def model_inputs(self, batch: Batch) -> Batch:
+        """``x`` and ``mask``; for a conditioned model also the batch's conditions as one
         conditioning token ``[B, 1, K]`` (module docstring)."""
+        inputs = {key: batch[key] for key in ("x", "mask") if key in batch}
         if not self.conditioned:
-            return model(batch["x"], mask=batch.get("mask"))
+            return inputs
         if "conditions" not in batch:
             names = self.layout.condition_names
             raise DataError(f"the model was trained with per-sample conditions {names}, and "
                             "this batch has none; give every sample its conditions")
-        return model(batch["x"], mask=batch.get("mask"),
-                     conditioning=batch["conditions"][:, None, :])
+        return {**inputs, "conditioning": batch["conditions"][:, None, :]}
 
     # -- loss and metrics ----------------------------------------------------------------
     def loss(self, pred: torch.Tensor, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
-        """The sum over the batch of ``config.loss``'s terms (:data:`LOSSES`)."""
+        """The sum over the batch of ``config.loss``'s terms (:data:`LOSSES`), of the
+        predictions de-normalised by the task's maps for a loss of physical fields."""
         mask = batch.get("mask")
         if self.loss_fn.physical_targets:
-            pred = _masked(self.y_norm.decode(_at_least_fp32(pred)), mask)
+            pred = units_on(self.units, pred.device).denormalise(pred, mask)
         return self.loss_fn(pred, batch["y"], mask, token_sum)
 
     def loss_count(self, batch: Batch, token_sum: TokenSum) -> torch.Tensor:
@@ -554,7 +558,7 @@ class FieldTask(Task):
     def normalizers(self) -> dict[str, Normalizer]:
         maps = {"x": self.x_norm, "y": self.y_norm}
         if self.c_norm is not None:
-            maps["conditions"] = self.c_norm
+            maps["c"] = self.c_norm
         return maps
 
     def input_layout(self) -> dict[str, Any]:

@@ -51,7 +51,8 @@ from flarepp.data.rollout import RolloutData, load_rollout_data  # noqa: F401
 from flarepp.data.generators.advection_diffusion import (Trajectories, grid, periodic_gaussian)
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
-from flarepp.tasks.base import Batch, Item, Task, TokenSum
+from flarepp.models.surrogate import UnitMaps
+from flarepp.tasks.base import Batch, Item, Task, TokenSum, units_on
 from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
 
@@ -134,6 +135,8 @@ class RolloutTask(Task):
         self.__dict__.pop("_device_cache", None)  # made from the statistics
         self._param_mean = np.asarray(stats["param_mean"], np.float64)
         self._param_std = np.asarray(stats["param_std"], np.float64)
+        state_map = (np.float64(stats["u_mean"]), np.float64(stats["u_std"]))
+        self.state_units = UnitMaps(inputs=state_map, outputs=state_map)
 
     @property
     def cond_tokens(self) -> int:
@@ -239,7 +242,8 @@ class RolloutTask(Task):
         """Predicted states ``[B, S, N]`` for the ``S = states - history - 1`` steps after
         the start state, each step fed the previous prediction."""
         s, k = self.stats, self.data.history
-        states = (batch["states"] - s["u_mean"]) / s["u_std"]              # normalised
+        units = units_on(self.state_units, batch["states"].device)
+        states = units.normalise(batch["states"])
         history, current = states[:, :k], states[:, k]
         valid, time = batch["lag_valid"], batch["time"]
         point_xy, stencil_std, _ = self._device_constants(states.device, states.dtype)
@@ -258,7 +262,7 @@ class RolloutTask(Task):
                 history = torch.cat([history[:, 1:], current[:, None]], dim=1)
                 valid = torch.cat([valid[:, 1:], torch.ones_like(valid[:, :1])], dim=1)
             current = following
-        return torch.stack(preds, dim=1) * s["u_std"] + s["u_mean"]        # physical
+        return units.denormalise(torch.stack(preds, dim=1))                 # physical
 
     # -- loss and metrics ----------------------------------------------------------------
     def _targets(self, batch: Batch) -> torch.Tensor:

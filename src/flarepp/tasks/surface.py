@@ -371,8 +371,8 @@ class SurfaceTask(Task):
         return plot_surface_run(out_dir)
 
     # -- inference on whole surfaces (``flarepp infer``) ----------------------------------
-    @staticmethod
-    def inference_cases(config: Any, data_root: str | Path, split: str
+    @classmethod
+    def inference_cases(cls, config: Any, data_root: str | Path, split: str
                         ) -> Iterator[tuple[str, np.ndarray, np.ndarray, str]]:
         """``(run id, inputs [1, N, 6], targets [1, N, 4], its .vtp file)`` in physical units
         for every run of ``split`` (``train``, ``val`` or ``test`` of the config's split

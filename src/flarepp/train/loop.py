@@ -50,6 +50,7 @@ from flarepp.storage.checkpoint import (CheckpointError, checkpoint_epoch,
                                       save_checkpoint)
 from flarepp.storage.config import RunConfig
 from flarepp.inference.engine import Engine
+from flarepp.inference.execution import Execution
 from flarepp.inference.evaluate import evaluate_weights, weight_metrics
 from flarepp.train.ema import WeightAverage
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
@@ -182,8 +183,9 @@ class Trainer:
             options = {} if splits is None else {"splits": splits}
             task = build_task(c, data_root or c.data_root, **options)
         self.task = task
-        self.engine = Engine(task, self.device, c.precision, plan=parallel,
-                             chunk_size=c.eval_chunk_size, workers=c.workers(self.device.type))
+        self.engine = Engine(task, Execution(self.device, c.precision, plan=parallel,
+                                             chunk_size=c.eval_chunk_size),
+                             workers=c.workers(self.device.type))
 
         torch.manual_seed(c.seed)
         self.model = task.build_model().to(self.device)
