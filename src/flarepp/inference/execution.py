@@ -34,7 +34,9 @@ from flarepp.threads import ThreadTuner
 
 @dataclass(frozen=True)
 class Execution:
-    """How a model runs: on ``device``, under the autocast of ``precision`` (``fp32``,
+    """How a model runs: on ``device`` (a ``torch.device`` or its name;
+    :func:`flarepp.device.resolve_device` turns ``auto`` into one), under the autocast of
+    ``precision`` (``fp32``,
     ``bf16``, ``fp16``); token-sharded over the context-parallel group of ``plan`` (every
     rank runs its contiguous shard of each sample's tokens and gets all of them back; the
     model must be wrapped by :func:`~flarepp.distributed.context_parallel` on every rank);

@@ -93,10 +93,10 @@ class Predictor:
     of the model's channels, as points) and the run's ``config`` (its
     :class:`~flarepp.storage.config.RunConfig` when loaded from a run)."""
 
-    surrogate: Surrogate
+    surrogate: Surrogate = field(repr=False)
     execution: Execution = field(default_factory=Execution)
     layout: InputLayout | None = None
-    config: Any = None
+    config: Any = field(default=None, repr=False)
 
     @property
     def model(self) -> nn.Module:

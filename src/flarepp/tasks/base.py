@@ -19,9 +19,10 @@ Evaluation convention. ``eval_records(pred, batch)`` turns a batch's predictions
 per-sample records (numpy, keyed by name, with the sample ``index``); the predictions come
 from the one prediction path (:func:`flarepp.inference.execution.predict_tokens`) through
 the task's :meth:`Task.surrogate`, in physical units for a task with output normalisers
-(:meth:`Task.normalizers`), as the model gives them otherwise. The trainer gathers the records of every rank and ``summarize(split, records)``
-returns the metrics (``metrics[task.headline]`` is the number that is reported, beside
-those named in ``reported``).
+(:meth:`Task.normalizers`), as the model gives them otherwise. The trainer gathers the
+records of every rank and ``summarize(split, records)`` returns the metrics
+(``metrics[task.headline]`` is the number that is reported, beside those named in
+``reported``).
 """
 
 from __future__ import annotations
