@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("flarepp.distributed",)),
     ("data", ("flarepp.data",)),
     ("storage", ("flarepp.storage",)),
+    ("interop", ("flarepp.interop",)),
     ("plots", ("flarepp.plots", "flarepp.plots3d")),
     ("tasks", ("flarepp.tasks",)),
     ("inference", ("flarepp.inference",)),

@@ -120,11 +120,26 @@ class FLARE(LowRankRouting):
         return self.split_projections(self.project(x, 0, 2), 2)
 
 
+GATE_SUMS = ("float32-or-wider", "float32")
+
+
 @dataclass(kw_only=True)
 class FLAREPPConfig(MixerConfig):
-    """FLARE++ settings beyond the shared ones: the gate logits' initial value (A.4)."""
+    """FLARE++ settings beyond the shared ones: the gate logits' initial value (A.4) and
+    the precision of the gated sum ``N_0(Q_f) + sigmoid(gamma) Q_d``: ``float32-or-wider``
+    (flarepp's: FP32 under autocast, the compute dtype when wider) or ``float32`` (the
+    FLARE authors' code, github.com/vpuri3/FLARE.py ``FLAREPPMixer``: rounded to FP32
+    whatever the dtype, which an imported model keeps to compute their function exactly in
+    float64)."""
 
     gate_logit_init: float = 0.25
+    gate_sum: str = "float32-or-wider"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.gate_sum not in GATE_SUMS:
+            raise ValueError(f"gate_sum must be one of {', '.join(GATE_SUMS)}, got "
+                             f"{self.gate_sum!r}")
 
 
 @MIXERS.register("flarepp", doc="FLARE++: attention-synthesized routing queries (Table 2)")
@@ -167,10 +182,16 @@ class FLAREPP(LowRankRouting):
         return self.latents_for(self.seed_norm(self.synthesis_seeds), batch)
 
     def gated_queries(self, synthesized: torch.Tensor) -> torch.Tensor:
-        """``N_0(Q_f) + sigmoid(gamma) Q_d`` summed in FP32 (or wider), in ``Q_d``'s dtype."""
+        """``N_0(Q_f) + sigmoid(gamma) Q_d`` summed in FP32 (or wider, ``gate_sum``), in
+        ``Q_d``'s dtype."""
         fixed = self.fixed_query_norm(self.fixed_queries)                          # [H, M, D]
-        acc = torch.promote_types(self.gate_logit.dtype, torch.float32)  # FP32 or wider
-        gate = torch.sigmoid(self.gate_logit.to(acc)).view(1, -1, 1, 1)
+        if self.config.gate_sum == "float32":   # the authors' rounding (FLAREPPConfig)
+            acc = torch.float32
+            gate = torch.sigmoid(self.gate_logit).to(acc)
+        else:
+            acc = torch.promote_types(self.gate_logit.dtype, torch.float32)  # FP32 or wider
+            gate = torch.sigmoid(self.gate_logit.to(acc))
+        gate = gate.view(1, -1, 1, 1)
         queries = fixed.to(acc).unsqueeze(0) + gate * synthesized.to(acc)
         return queries.to(synthesized.dtype)
 

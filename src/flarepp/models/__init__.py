@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from flarepp.models.backbone import SurrogateConfig, SurrogateModel
+from flarepp.models.backbone import SurrogateConfig, SurrogateModel, TransolverBackbone
 from flarepp.models.gnot import GNOT
 from flarepp.models.lno import LNO
 from flarepp.models.luna import LunaSurrogate
@@ -25,6 +25,11 @@ from flarepp.models.surrogate import Surrogate, UnitMaps
 
 MODELS.add("surrogate", SurrogateModel,
            doc="shared residual backbone of Table 7 around a registered mixer")
+# The Transolver family's skeleton as options of the same backbone: NVIDIA PhysicsNeMo's
+# FLARE model (physicsnemo.models.flare.FLARE, v2.2) with its defaults.
+MODELS.add("transolver-backbone", TransolverBackbone,
+           doc="the backbone as the Transolver skeleton (PhysicsNeMo's FLARE): input MLP "
+               "in -> 2C -> C, one-Linear head, exact GELU, FFN ratio 4")
 # The comparison architectures of Table 9 (paper Sec. C.3).
 MODELS.add("luna", LunaSurrogate,
            doc="the backbone with Luna layers and their packed stream carried across blocks")

@@ -9,6 +9,12 @@
 
 GELU is the tanh approximation and plain linears start at ``N(0, 0.02^2)`` with zero bias,
 as in the reference implementation; mixer projections keep their near-identity init.
+
+Options of the same backbone (:class:`BackboneConfig`) give the skeleton of the Transolver
+family (NVIDIA PhysicsNeMo's ``Transolver`` and its FLARE models): ``input_mlp="wide"``
+(``in -> 2C -> C`` without a residual), ``output_mlp="linear"`` (the norm, then one Linear)
+and ``gelu="none"`` (the exact GELU); the architecture ``transolver-backbone`` registers
+them together (:mod:`flarepp.models`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import nn
 
-from flarepp.validate import require_positive
+from flarepp.validate import require_choice, require_positive
 from flarepp.mixers import Mixer, build_mixer
 from flarepp.mixers.base import check_tokens
 from flarepp.ops import make_norm
@@ -57,15 +63,17 @@ class ResidualMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + FFN(norm(x))``."""
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + FFN(norm(x))``; the
+    FFN's GELU is ``gelu`` (``approximate``: ``"tanh"`` or ``"none"``, the exact one)."""
 
-    def __init__(self, mixer: Mixer, dim: int, norm: str, ffn_ratio: float) -> None:
+    def __init__(self, mixer: Mixer, dim: int, norm: str, ffn_ratio: float, *,
+                 gelu: str = "tanh") -> None:
         super().__init__()
         hidden = int(dim * ffn_ratio)
         self.mixer_norm = make_norm(norm, dim)
         self.mixer = mixer
         self.ffn_norm = make_norm(norm, dim)
-        self.ffn = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"),
+        self.ffn = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate=gelu),
                                  nn.Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,15 +146,53 @@ class LatentModelConfig(ModelConfig):
     attn_scale: float | None = None
 
 
+INPUT_MLPS = ("residual", "wide")
+OUTPUT_MLPS = ("residual", "linear")
+GELUS = ("tanh", "none")
+
+
 @dataclass(kw_only=True)
 class BackboneConfig(LatentModelConfig):
     """The residual backbone's block and input/output MLP settings (Table 7): FFN ratio
-    ``ffn_ratio`` and ``io_layers`` hidden residual layers per input/output MLP."""
+    ``ffn_ratio`` and ``io_layers`` hidden residual layers per input/output MLP.
+
+    ``input_mlp``: ``residual`` (Table 7: ``in -> C``, ``io_layers`` hidden residual
+    ``C x C`` layers, the last hidden state added to the output) or ``wide`` (the Transolver
+    family's preprocessing: ``in -> 2C -> C`` with ``io_layers`` hidden residual ``2C x 2C``
+    layers and no residual around the output); ``output_mlp``: ``residual`` (Table 7) or
+    ``linear`` (one ``Linear(C, out)`` after the final norm; ``io_layers`` does not apply
+    to it); ``gelu``: the ``approximate`` of every GELU in the input and output MLPs and
+    the FFNs, ``tanh`` (the FLARE study's) or ``none`` (the exact GELU).
+    """
 
     positive = LatentModelConfig.positive + ("ffn_ratio",)
 
     ffn_ratio: float = 2.0
     io_layers: int = 2
+    input_mlp: str = "residual"
+    output_mlp: str = "residual"
+    gelu: str = "tanh"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, choices in (("input_mlp", INPUT_MLPS), ("output_mlp", OUTPUT_MLPS),
+                              ("gelu", GELUS)):
+            require_choice(self, name, choices, self.arch)
+
+
+def build_input_mlp(c: BackboneConfig, in_dim: int) -> nn.Module:
+    """The input MLP ``[.., in_dim] -> [.., C]`` that ``c.input_mlp`` names."""
+    if c.input_mlp == "wide":
+        return ResidualMLP(in_dim, 2 * c.dim, c.dim, c.io_layers, gelu=c.gelu)
+    return ResidualMLP(in_dim, c.dim, c.dim, c.io_layers, output_residual=True, gelu=c.gelu)
+
+
+def build_output_mlp(c: BackboneConfig) -> nn.Module:
+    """The output MLP ``[.., C] -> [.., out]`` (after the final norm) ``c.output_mlp``
+    names."""
+    if c.output_mlp == "linear":
+        return nn.Linear(c.dim, c.out_dim)
+    return ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True, gelu=c.gelu)
 
 
 @dataclass(kw_only=True)
@@ -207,13 +253,13 @@ class SurrogateModel(nn.Module):
     def __init__(self, config: SurrogateConfig) -> None:
         super().__init__()
         self.config = c = config
-        self.in_proj = ResidualMLP(c.in_dim, c.dim, c.dim, c.io_layers, output_residual=True)
+        self.in_proj = build_input_mlp(c, c.in_dim)
         self.blocks = nn.ModuleList(self.make_block() for _ in range(c.blocks))
         for index, block in enumerate(self.blocks):   # a mixer that draws noise per block
             if hasattr(getattr(block, "mixer", None), "noise_stream"):
                 block.mixer.noise_stream = index
         self.out_norm = make_norm(c.norm, c.dim)
-        self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
+        self.out_proj = build_output_mlp(c)
         init_backbone_weights(self)
 
     def make_block(self) -> nn.Module:
@@ -221,7 +267,7 @@ class SurrogateModel(nn.Module):
         c = self.config
         mixer = build_mixer(c.mixer, dim=c.dim, heads=c.heads, latents=c.latents, norm=c.norm,
                             attn_scale=c.attn_scale, **c.mixer_options)
-        return Block(mixer, c.dim, c.norm, c.ffn_ratio)
+        return Block(mixer, c.dim, c.norm, c.ffn_ratio, gelu=c.gelu)
 
     def embed(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``in_proj`` of the inputs, padding zeroed first: ``[B, N, in] -> [B, N, C]``."""
@@ -248,6 +294,33 @@ class SurrogateModel(nn.Module):
         overrides this too)."""
         return StreamingPlan(embed=self.embed, head=self.head,
                              blocks=[functools.partial(_carry_through, b) for b in self.blocks])
+
+
+@dataclass(kw_only=True)
+class TransolverBackboneConfig(SurrogateConfig):
+    """The backbone with the Transolver family's skeleton as its defaults: NVIDIA
+    PhysicsNeMo's FLARE model (``physicsnemo.models.flare.FLARE``, release 2.2): input MLP
+    ``in -> 2C -> C``, FFN ratio 4 with the exact GELU, the final norm and one Linear, the
+    FLARE mixer with SDPA scale 1, C = 256, 4 blocks, M = 32."""
+
+    arch = "transolver-backbone"
+
+    input_mlp: str = "wide"
+    output_mlp: str = "linear"
+    gelu: str = "none"
+    io_layers: int = 0
+    ffn_ratio: float = 4.0
+    dim: int = 256
+    blocks: int = 4
+    latents: int = 32
+    mixer: str = "flare"
+    attn_scale: float | None = 1.0
+
+
+class TransolverBackbone(SurrogateModel):
+    """:class:`SurrogateModel` built from a :class:`TransolverBackboneConfig`."""
+
+    config_cls = TransolverBackboneConfig
 
 
 def compile_model(model: nn.Module, **compile_options: Any) -> nn.Module:

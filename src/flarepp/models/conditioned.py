@@ -38,7 +38,8 @@ from torch import nn
 from flarepp.mixers import MIXERS, build_mixer
 from flarepp.mixers.base import check_tokens
 from flarepp.models.registry import MODELS
-from flarepp.models.backbone import BackboneConfig, Block, ResidualMLP, init_backbone_weights
+from flarepp.models.backbone import (BackboneConfig, Block, ResidualMLP, build_input_mlp,
+                                     build_output_mlp, init_backbone_weights)
 from flarepp.ops import make_norm
 from flarepp.registry import Registry
 
@@ -109,8 +110,9 @@ class PlainBlock(Block):
 class CrossBlock(Block):
     """``h + mixer(norm(h), conditioning=norm_c(c))``, then ``h + FFN(norm(h))``."""
 
-    def __init__(self, mixer: nn.Module, dim: int, norm: str, ffn_ratio: float) -> None:
-        super().__init__(mixer, dim, norm, ffn_ratio)
+    def __init__(self, mixer: nn.Module, dim: int, norm: str, ffn_ratio: float, *,
+                 gelu: str = "tanh") -> None:
+        super().__init__(mixer, dim, norm, ffn_ratio, gelu=gelu)
         self.conditioning_norm = make_norm(norm, dim)
 
     def forward(self, h, mask=None, context=None):
@@ -125,8 +127,9 @@ class ModulatedBlock(Block):
     with ``(b1, s1, g1, b2, s2, g2) = Linear(SiLU(e))``, the linear zero-initialised so
     every block starts as the identity."""
 
-    def __init__(self, mixer: nn.Module, dim: int, norm: str, ffn_ratio: float) -> None:
-        super().__init__(mixer, dim, norm, ffn_ratio)
+    def __init__(self, mixer: nn.Module, dim: int, norm: str, ffn_ratio: float, *,
+                 gelu: str = "tanh") -> None:
+        super().__init__(mixer, dim, norm, ffn_ratio, gelu=gelu)
         self.modulation = nn.Linear(dim, 6 * dim)
         nn.init.zeros_(self.modulation.weight)
         nn.init.zeros_(self.modulation.bias)
@@ -144,7 +147,8 @@ class CrossConditioner(Conditioner):
     def __init__(self, config: ConditionedConfig) -> None:
         super().__init__()
         self.token_embed = ResidualMLP(config.cond_dim, config.dim, config.dim,
-                                       config.io_layers, output_residual=True)
+                                       config.io_layers, output_residual=True,
+                                       gelu=config.gelu)
 
     @classmethod
     def check(cls, config):
@@ -161,7 +165,8 @@ class CrossConditioner(Conditioner):
         return x_BNI, (tokens, c_mask_BK)
 
     def make_block(self, config):
-        return CrossBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio)
+        return CrossBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio,
+                          gelu=config.gelu)
 
 
 @CONDITIONING.register("concat", doc="vec(c) appended to the inputs of every point")
@@ -178,7 +183,8 @@ class ConcatConditioner(Conditioner):
         return torch.cat([x_BNI, flat[:, None].expand(-1, x_BNI.shape[1], -1)], dim=-1), None
 
     def make_block(self, config):
-        return PlainBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio)
+        return PlainBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio,
+                          gelu=config.gelu)
 
 
 @CONDITIONING.register("adaln", doc="AdaLN-Zero modulation of every block by MLP(vec(c))")
@@ -186,13 +192,15 @@ class AdaLNConditioner(Conditioner):
     def __init__(self, config: ConditionedConfig) -> None:
         super().__init__()
         self.vector_embed = ResidualMLP(config.cond_tokens * config.cond_dim, config.dim,
-                                        config.dim, config.io_layers, output_residual=True)
+                                        config.dim, config.io_layers, output_residual=True,
+                                        gelu=config.gelu)
 
     def prepare(self, x_BNI, c_BKF, c_mask_BK):
         return x_BNI, self.vector_embed(_flat(c_BKF, c_mask_BK))
 
     def make_block(self, config):
-        return ModulatedBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio)
+        return ModulatedBlock(_mixer(config), config.dim, config.norm, config.ffn_ratio,
+                              gelu=config.gelu)
 
 
 @MODELS.register("conditioned", doc="backbone conditioned on tokens: Cross FLARE, input "
@@ -208,11 +216,10 @@ class ConditionedSurrogate(nn.Module):
         self.config = c = config
         scheme = CONDITIONING.get(c.conditioning)
         self.conditioner = scheme(c)
-        self.in_proj = ResidualMLP(scheme.input_width(c), c.dim, c.dim, c.io_layers,
-                                   output_residual=True)
+        self.in_proj = build_input_mlp(c, scheme.input_width(c))
         self.blocks = nn.ModuleList(self.conditioner.make_block(c) for _ in range(c.blocks))
         self.out_norm = make_norm(c.norm, c.dim)
-        self.out_proj = ResidualMLP(c.dim, c.dim, c.out_dim, c.io_layers, input_residual=True)
+        self.out_proj = build_output_mlp(c)
         init_backbone_weights(self)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,

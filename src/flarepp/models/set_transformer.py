@@ -111,7 +111,7 @@ class SetAttentionBlock(nn.Module):
         self.isab_norm = make_norm(c.norm, c.dim)
         self.isab = ISAB(c)
         self.ffn_norm = make_norm(c.norm, c.dim)
-        self.ffn = nn.Sequential(nn.Linear(c.dim, hidden), nn.GELU(approximate="tanh"),
+        self.ffn = nn.Sequential(nn.Linear(c.dim, hidden), nn.GELU(approximate=c.gelu),
                                  nn.Linear(hidden, c.dim))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

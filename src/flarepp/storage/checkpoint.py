@@ -269,15 +269,19 @@ class TrainedModel:
     units: str
 
 
-def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None = None
-                  ) -> nn.Module:
+def rebuild_model(state: dict[str, Any], path: str | Path, *, ema: bool | None = None,
+                  dtype: torch.dtype | None = None) -> nn.Module:
     """The one way to rebuild a trained model: its architecture from the checkpoint's
     ``model_config`` alone, then its EMA or live (raw) weights, in eval mode on the CPU.
     ``ema=None`` takes the weights whose errors the run reports (``eval_weights`` of its
-    config; EMA for runs stored before that field existed)."""
+    config; EMA for runs stored before that field existed). ``dtype`` (default the model's
+    float32) is set before the weights are loaded, so weights stored wider (an imported
+    run's float64) are kept."""
     if ema is None:
         ema = RunConfig.from_stored(state["config"]).eval_weights == "ema"
     model = model_from_config(state["model_config"])
+    if dtype is not None:
+        model = model.to(dtype)
     try:
         model.load_state_dict(state["ema"] if ema else state["model"])
     except RuntimeError as err:
