@@ -58,9 +58,13 @@ STORED_MODEL_CONFIGS = [
 # Options added since (issue 33), written back at their defaults. The corrected models are
 # not those the older checkpoints of these architectures trained (GNOT's "+ q", the exact
 # GELUs, Set Transformer's scale): those checkpoints load, but into the corrected model.
-MODEL_KEYS_ADDED = {"set-transformer": {"row_ff_act": "gelu"},
+# The backbone's Transolver-skeleton options (issue 40), at the defaults that are Table 7's.
+BACKBONE_OPTIONS = {"input_mlp": "residual", "output_mlp": "residual", "gelu": "tanh"}
+MODEL_KEYS_ADDED = {"set-transformer": {"row_ff_act": "gelu", **BACKBONE_OPTIONS},
                     "perceiver-io": {"query_residual": False},
-                    "gnot": {"wiring": "flare-study"}}
+                    "gnot": {"wiring": "flare-study"},
+                    "surrogate": BACKBONE_OPTIONS, "luna": BACKBONE_OPTIONS,
+                    "conditioned": BACKBONE_OPTIONS}
 
 
 @pytest.mark.parametrize("stored", STORED_MODEL_CONFIGS, ids=lambda d: d["arch"])

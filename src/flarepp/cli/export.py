@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flarepp.cli import check_output
 from flarepp.inference.export import FORMATS, export_run
+from flarepp.interop import EXPORT_FORMATS
 from flarepp.storage.rundir import RunDir
 
 
@@ -15,6 +16,10 @@ def _export(args: argparse.Namespace) -> int:
     run = Path(args.run)
     out = args.out or RunDir(run if run.is_dir() else run.parent.parent).exported(args.format)
     check_output(out, directory=False)
+    if args.format in EXPORT_FORMATS:   # another implementation's format (flarepp.interop)
+        written = EXPORT_FORMATS.get(args.format)(run, out, weights=args.weights)
+        print(json.dumps(written))
+        return 0
     written = export_run(run, out, args.format, weights=args.weights)
     print(json.dumps(written))
     print(f"wrote {written['path']} ({args.format}: x [B, N, {written['inputs']['x'][2]}] "
@@ -28,9 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="a run's model with its normalisers as a standalone "
                        "file: pt2 (torch.export), onnx, safetensors")
     p.add_argument("run", help="a run directory (its reported checkpoint) or a checkpoint")
-    p.add_argument("--format", choices=FORMATS, required=True,
+    p.add_argument("--format", choices=(*FORMATS, *EXPORT_FORMATS.names()), required=True,
                    help="pt2: torch.export, loads with torch alone; onnx: dynamo exporter, "
-                        "for onnxruntime; safetensors: weights, normalisers, model config")
+                        "for onnxruntime; safetensors: weights, normalisers, model config; "
+                        "mdlus: PhysicsNeMo's FLARE where it computes the run's function")
     p.add_argument("--out", help="the file to write (default: RUN/model.<format>)")
     p.add_argument("--weights", choices=("raw", "ema"),
                    help="which weights (default: those the run reports)")

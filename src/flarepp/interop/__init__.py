@@ -56,6 +56,8 @@ def import_checkpoint(fmt: str, source: str | Path, out: str | Path, *, normaliz
             raise InteropError(f"--coordinates {coordinates}: the model takes "
                                f"{config['in_dim']} input channels")
         norms.coordinates = coordinates
+    elif norms.coordinates is None:     # what the source says (PhysicsNeMo: its embedding)
+        norms.coordinates = imported.coordinates
     path = write_imported_run(out, imported, norms, source_file=_source_file(fmt, source))
     return ImportReport(path, imported, norms)
 

@@ -328,7 +328,11 @@ def export_mdlus(run: str | Path, out: str | Path, *, weights: str | None = None
         "units": state.get("data", {}).get("units", "")})
     return {"path": str(out), "normalizers": str(normalizers_path(out)), "args": args,
             "deviation": deviation,
-            "weights": weights or RunConfig.from_stored(state["config"]).eval_weights}
+            "weights": weights or RunConfig.from_stored(state["config"]).eval_weights,
+            "loads_with": "physicsnemo.Module.from_checkpoint (release 2.2); inputs "
+                          f"fx = x[..., {args['embedding_dim']}:], embedding = "
+                          f"x[..., :{args['embedding_dim']}], normalised with the statistics "
+                          "file beside it"}
 
 
 def _check_round_trip(model: torch.nn.Module, out: Path, config: dict[str, Any]) -> float:

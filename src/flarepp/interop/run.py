@@ -169,16 +169,14 @@ def write_imported_run(out: str | Path, imported: ImportedModel,
     if run.path.exists() and run.is_run():
         raise InteropError(f"--out {str(run.path)!r} already holds a run; choose another "
                            "directory")
-    imported.model()                                   # every key mapped, every shape right
+    model_config = imported.model().config.to_dict()   # every key mapped, every shape right
     if imported.ema is not None:
         imported.model("ema")
     config = _run_config(run.path.name or "imported", imported, source)
-    coordinates = source.coordinates if source.coordinates is not None \
-        else imported.coordinates
     origin = {**imported.source, "file": str(Path(source_file).resolve()),
               "sha256": file_sha256(Path(source_file)), "normalizers": source.describe,
               "notes": imported.notes}
-    state = {"config": config.to_dict(), "model_config": dict(imported.model_config),
+    state = {"config": config.to_dict(), "model_config": model_config,
              "model": imported.weights,
              "ema": imported.ema if imported.ema is not None else imported.weights,
              "epoch": 0, "history": [], "task": config.task,
@@ -186,12 +184,13 @@ def write_imported_run(out: str | Path, imported: ImportedModel,
              "data": {"dataset": config.dataset, "units": source.units,
                       "field_names": source.field_names or [
                           f"y{k}" for k in range(imported.model_config["out_dim"])],
-                      "inputs": {"coordinates": coordinates, "names": source.input_names}},
+                      "inputs": {"coordinates": source.coordinates,
+                                 "names": source.input_names}},
              "imported_from": origin}
-    run.write_config(config)
     path = run.checkpoint(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, state)
+    run.write_config(config)
     run.record_provenance(provenance(imported_from=origin))
     return path
 
