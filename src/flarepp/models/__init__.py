@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from flarepp.models.backbone import SurrogateConfig, SurrogateModel, TransolverBackbone
+from flarepp.models.backbone import (TRANSOLVER_BACKBONE, SurrogateConfig, SurrogateModel,
+                                     TransolverBackbone)
 from flarepp.models.gnot import GNOT
 from flarepp.models.lno import LNO
 from flarepp.models.luna import LunaSurrogate
@@ -27,7 +28,7 @@ MODELS.add("surrogate", SurrogateModel,
            doc="shared residual backbone of Table 7 around a registered mixer")
 # The Transolver family's skeleton as options of the same backbone: NVIDIA PhysicsNeMo's
 # FLARE model (physicsnemo.models.flare.FLARE, v2.2) with its defaults.
-MODELS.add("transolver-backbone", TransolverBackbone,
+MODELS.add("transolver-backbone", TransolverBackbone, defaults=TRANSOLVER_BACKBONE,
            doc="the backbone as the Transolver skeleton (PhysicsNeMo's FLARE): input MLP "
                "in -> 2C -> C, one-Linear head, exact GELU, FFN ratio 4")
 # The comparison architectures of Table 9 (paper Sec. C.3).

@@ -296,25 +296,21 @@ class SurrogateModel(nn.Module):
                              blocks=[functools.partial(_carry_through, b) for b in self.blocks])
 
 
+TRANSOLVER_BACKBONE = dict(input_mlp="wide", output_mlp="linear", gelu="none", io_layers=0,
+                           dim=256, blocks=4, latents=32, ffn_ratio=4.0, mixer="flare",
+                           attn_scale=1.0)
+"""The Transolver family's skeleton and NVIDIA PhysicsNeMo's FLARE model's defaults
+(``physicsnemo.models.flare.FLARE``, release 2.2): input MLP ``in -> 2C -> C``, FFN ratio 4
+with the exact GELU, the final norm and one Linear, the FLARE mixer with SDPA scale 1,
+C = 256, 4 blocks, M = 32: the registered defaults of ``transolver-backbone``."""
+
+
 @dataclass(kw_only=True)
 class TransolverBackboneConfig(SurrogateConfig):
-    """The backbone with the Transolver family's skeleton as its defaults: NVIDIA
-    PhysicsNeMo's FLARE model (``physicsnemo.models.flare.FLARE``, release 2.2): input MLP
-    ``in -> 2C -> C``, FFN ratio 4 with the exact GELU, the final norm and one Linear, the
-    FLARE mixer with SDPA scale 1, C = 256, 4 blocks, M = 32."""
+    """:class:`SurrogateConfig` under the name ``transolver-backbone``, whose registered
+    defaults are :data:`TRANSOLVER_BACKBONE`."""
 
     arch = "transolver-backbone"
-
-    input_mlp: str = "wide"
-    output_mlp: str = "linear"
-    gelu: str = "none"
-    io_layers: int = 0
-    ffn_ratio: float = 4.0
-    dim: int = 256
-    blocks: int = 4
-    latents: int = 32
-    mixer: str = "flare"
-    attn_scale: float | None = 1.0
 
 
 class TransolverBackbone(SurrogateModel):
