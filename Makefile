@@ -7,7 +7,7 @@ CORE   := $(VENV)/.flarepp-core
 STAMP  := $(VENV)/.flarepp-test
 TORCH_CPU := torch==2.13.0
 # Every extra the suite tests (each claimed feature is tested, not skipped).
-TEST_EXTRAS := test,mesh,surface,mesh-io,cluster,export,track,search
+TEST_EXTRAS := test,mesh,surface,mesh-io,cluster,export,track,search,interop
 
 .PHONY: setup setup-core demo test test-fast gpu-check clean
 

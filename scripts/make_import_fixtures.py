@@ -155,7 +155,21 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     site = install(args.scratch.resolve())
-    record = {"torch": __import__("torch").__version__, "sizes": SIZES, "fixtures": {}}
+    record = {"torch": __import__("torch").__version__, "sizes": SIZES, "fixtures": {},
+              "harness": [
+                  "PhysicsNeMo installed with pip --target next to this environment's CPU "
+                  "torch; torchvision._meta_registrations replaced by an empty module in "
+                  "sys.modules (PyPI's torchvision is a CUDA build); no PhysicsNeMo file "
+                  "edited",
+                  "FLAREPlusPlus: the release with the pull request's three files laid over "
+                  "it (commits and SHA-256 below)",
+                  "FLARE.py: pdebench/models/{flare,flarepp}.py at the commit below under "
+                  "empty package __init__ files; pdebench.distributed's three imported names "
+                  "are stand-ins (their context-parallel path never runs)",
+                  "their checkpoints: config.yaml as their script writes it (the model "
+                  "section is asdict of their config dataclass), ckpt01/model.pt in their "
+                  "trainer's snapshot layout (model_state with torch.compile's _orig_mod. "
+                  "prefix for flarepp; ema_shadow for flare)"]}
     record["physicsnemo"] = worker(site, "versions", args.out)
     record["fixtures"]["physicsnemo_flare"] = worker(site, "physicsnemo", args.out, "FLARE")
     record["fixtures"]["physicsnemo_flare"]["round_trip"] = round_trip(

@@ -48,7 +48,11 @@ PREFIXES = ("_orig_mod.", "module.")
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
-    import yaml
+    try:
+        import yaml
+    except ImportError:
+        raise InteropError(f"{path}: reading the FLARE authors' config.yaml needs PyYAML, "
+                           "which is not installed: pip install 'flarepp[interop]'") from None
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as err:
