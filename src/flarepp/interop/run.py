@@ -65,8 +65,8 @@ def _identity(width: int) -> Normalizer:
 
 def _check_width(what: str, source: str, got: int, want: int, side: str) -> None:
     if got != want:
-        raise InteropError(f"--normalizers {source}: its {what} have {got} channel(s), the "
-                           f"model's {side} {want}")
+        raise InteropError(f"--normalizers {source}: its {what} have {got} channel(s), but "
+                           f"the model {side} {want}")
 
 
 def _from_store(root: Path, in_dim: int, out_dim: int) -> NormalizerSource:
