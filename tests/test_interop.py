@@ -284,6 +284,46 @@ def test_normalisers_from_a_statistics_file_are_applied(tmp_path):
                           tmp_path / "run2", normalizers=str(stats))
 
 
+def write_store(root: Path) -> None:
+    """A store whose samples have the fixtures' 3 inputs (x, y, a) and 2 targets (p, q)."""
+    from flarepp.data import ChannelGroup, ChannelLayout
+    from flarepp.data.store import StoreWriter
+    layout = ChannelLayout(inputs=(ChannelGroup("coordinates", ("x", "y"), "points"),
+                                   ChannelGroup("a", ("a",), "a")),
+                           targets=(ChannelGroup("pq", ("p", "q"), "pq", units="Pa"),),
+                           conditions=(), association="point", coordinates=2, dimensions=2)
+    rng = np.random.default_rng(0)
+    writer = StoreWriter(root, {"test": "store"})
+    metas, names = {}, {}
+    for split, count in (("train", 3), ("test", 2)):
+        names[split] = [f"{split}/case_{i}" for i in range(count)]
+        for name in names[split]:
+            n = int(rng.integers(20, 30))
+            arrays = {"coordinates": rng.random((n, 2)).astype(np.float32),
+                      "a": rng.random((n, 1)).astype(np.float32) * 4 + 1,
+                      "pq": rng.standard_normal((n, 2)).astype(np.float32) * 3 + 2}
+            metas[name] = writer.write(name, arrays, {"source": None, "conditions": [],
+                                                      "layout": layout.to_dict()})
+    writer.finish(layout, names, metas)
+
+
+def test_normalisers_and_layout_from_a_store(tmp_path):
+    """``--normalizers STORE``: its training split's mean and std, its channel names and
+    coordinates; ``flarepp infer`` then reads the store's samples with the imported run."""
+    write_store(tmp_path / "store")
+    report = import_checkpoint("physicsnemo", FIXTURES / "physicsnemo_flare.mdlus",
+                               tmp_path / "run", normalizers=str(tmp_path / "store"))
+    norms = report.normalizers
+    assert "training split of store" in norms.describe and norms.coordinates == 2
+    assert norms.field_names == ["p", "q"] and 1.0 < float(norms.x.mean[2]) < 5.0
+    p = flarepp.load(tmp_path / "run", device="cpu")
+    assert p.layout.describe().startswith("2 coordinate channels (x, y)")
+    assert main(["infer", str(tmp_path / "run"), "--data", str(tmp_path / "store"), "--out",
+                 str(tmp_path / "pred.npz"), "--device", "cpu", "--threads", "1",
+                 "--chunk-size", "8"]) == 0
+    assert np.load(tmp_path / "pred.npz")["cases"].size == 2
+
+
 def test_cli_import_says_what_it_used_and_refuses_a_second_write(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["import", "flare-py", str(FIXTURES / "flare_py_flarepp"), "--out", str(out),
