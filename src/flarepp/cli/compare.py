@@ -6,6 +6,10 @@ import argparse
 from pathlib import Path
 
 from flarepp.cli import CLIError
+from flarepp.cli.sweep import execute
+from flarepp.experiments import TABLE1_ORDER
+from flarepp.experiments.comparison import PAPER_SETTINGS
+from flarepp.experiments.studies import compare_study
 
 
 def _names(text: str, known: list[str], what: str) -> list[str]:
@@ -18,10 +22,6 @@ def _names(text: str, known: list[str], what: str) -> list[str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.cli.sweep import execute
-    from flarepp.experiments import TABLE1_ORDER
-    from flarepp.experiments.comparison import PAPER_SETTINGS
-    from flarepp.experiments.studies import compare_study
     models = _names(args.models, TABLE1_ORDER, "model")
     datasets = _names(args.datasets, list(PAPER_SETTINGS), "dataset")
     if args.epochs is not None and args.epochs <= 0:

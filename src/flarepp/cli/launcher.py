@@ -12,6 +12,11 @@ import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, at_least
+from flarepp.experiments.engine import continue_command
+from flarepp.experiments import launch as launching
+from flarepp.experiments.reports import write_report
+from flarepp.experiments.studies import open_any_study
+from flarepp.storage.locks import GRACE_S
 
 LAUNCH_OPTIONS = ("workers", "time", "partition", "account", "qos", "gpus_per_task",
                   "cpus_per_task", "sbatch", "wait")
@@ -45,7 +50,6 @@ def add_launcher_options(p: argparse.ArgumentParser) -> None:
 
 def claim_grace(args: argparse.Namespace) -> float:
     """``--claim-grace`` (default 300 s), a finite number of seconds > 0."""
-    from flarepp.storage.locks import GRACE_S
     grace = GRACE_S if args.claim_grace is None else args.claim_grace
     if not 0 < grace < math.inf:  # inf: the heartbeat's wait overflowed in its thread
         raise CLIError(f"--claim-grace must be a finite number of seconds > 0, got "
@@ -57,7 +61,6 @@ def launch_spec(args: argparse.Namespace, runtime: list[str]):
     """The :class:`~flarepp.experiments.launch.LaunchSpec` the options ask for (``runtime``:
     the workers' runtime ``--set`` items), or ``None`` without ``--launcher`` (then no
     launcher option may be given)."""
-    from flarepp.experiments.launch import LaunchSpec
     grace = claim_grace(args)
     if args.launcher is None:
         given = [o for o in LAUNCH_OPTIONS if getattr(args, o) not in (None, False)]
@@ -71,7 +74,7 @@ def launch_spec(args: argparse.Namespace, runtime: list[str]):
         if not sep or not key.strip():
             raise CLIError(f"--sbatch expects KEY=VALUE, got {item!r}")
         pairs.append((key.strip(), value))
-    return LaunchSpec(args.launcher, args.workers or 1, args.time, args.partition,
+    return launching.LaunchSpec(args.launcher, args.workers or 1, args.time, args.partition,
                       args.gpus_per_task or 0, args.cpus_per_task, args.account, args.qos,
                       tuple(pairs), grace, tuple(runtime))
 
@@ -81,16 +84,15 @@ def run_launched(study, out: str | Path, spec, *, wait: bool, report: bool,
     """Launch ``spec``'s workers on ``study`` in ``out`` (``track``: where they track their
     runs); say what they did (exit 1 when a point is left pending or a worker died, 0
     otherwise)."""
-    from flarepp.experiments.engine import continue_command
-    from flarepp.experiments.launch import launch
-    from flarepp.experiments.reports import write_report
-    from flarepp.experiments.studies import open_any_study
     study = open_any_study(out) if study is None else study
     wait = wait or spec.launcher == "local"
-    done = launch(study, out, spec, wait=wait, track=track)
-    print(f"started {len(done.jobs)} {spec.launcher} worker(s): job(s) "
-          f"{', '.join(str(j.job_id) for j in done.jobs)}; their logs are in {done.folder}",
-          flush=True)
+    done = launching.launch(study, out, spec, wait=wait, track=track)
+    if done.note:
+        print(done.note, flush=True)
+    if done.jobs:
+        print(f"started {len(done.jobs)} {spec.launcher} worker(s): job(s) "
+              f"{', '.join(str(j.job_id) for j in done.jobs)}; their logs are in "
+              f"{done.folder}", flush=True)
     if done.states is None:
         print(f"`flarepp sweep report {out}` reports on the study as it goes")
         return 0

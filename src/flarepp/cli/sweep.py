@@ -17,78 +17,67 @@ import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, add_threads_argument, at_least
+from flarepp.cli.launcher import add_launcher_options, claim_grace, launch_spec, run_launched
+from flarepp.cli.tracking import add_tracking_arguments, track_settings
+from flarepp.experiments import engine, plan, reports, search
+from flarepp.experiments.studies import parse_axes, sweep_study
+from flarepp.storage.locks import GRACE_S
+from flarepp.storage.studydir import StudyDir
 
 
 def execute(study, out: str | Path, *, quiet: bool = False, runtime: list[str] | None = None,
             report: bool = True, track=None, trials: int | None = None,
             claim_grace_s: float | None = None) -> int:
-    """Create (or join) ``study`` in ``out`` -- ``None``: the study already there; a
-    :class:`~flarepp.experiments.search.SearchSpec`: a search of ``trials`` trials -- train
-    its open points, print what this process did and write the report. Exit status 1 when
-    a point was left for a rerun by an error, 0 otherwise (a diverged point is a result)."""
-    from flarepp.experiments.engine import StudyInterrupted, continue_command, run_study
-    from flarepp.experiments.reports import write_report
-    from flarepp.experiments.search import SearchSpec, run_search, stored_search
-    from flarepp.experiments.studies import open_any_study
-    from flarepp.storage.locks import GRACE_S
-    study = open_any_study(out) if study is None else study
-    if not isinstance(study, SearchSpec) and study.kind == "search":
-        study, stored = stored_search(study)
-        trials = trials or stored
-    elif trials is not None and not isinstance(study, SearchSpec):
-        raise CLIError(f"--trials: {out} holds a grid, not a search")
+    """Create (or join) ``study`` in ``out`` -- a study's points or a point source (a
+    search's :class:`~flarepp.experiments.search.SearchSource`); ``None``: what continues
+    the study already there, with ``trials`` for a search -- work on it through the one
+    loop (:func:`~flarepp.experiments.engine.run_study`), print what this process did and
+    write the report. Exit status 1 when a point was left for a rerun by an error, 0
+    otherwise (a diverged point is a result)."""
+    source = search.study_source(out, trials) if study is None else study
     log = (lambda _: None) if quiet else print
     try:
-        done = (run_search(study, out, trials, runtime=runtime, track=track, log=log)
-                if isinstance(study, SearchSpec)
-                else run_study(study, out, runtime=runtime, track=track, log=log,
-                               claim_grace_s=claim_grace_s or GRACE_S))
-    except StudyInterrupted as err:
+        done = engine.run_study(source, out, runtime=runtime, track=track, log=log,
+                                claim_grace_s=claim_grace_s or GRACE_S)
+    except engine.StudyInterrupted as err:
         print(f"flarepp: {err}", file=sys.stderr)
         return err.exit_code
-    pruned = f"{len(done['pruned'])} pruned, " if "pruned" in done else ""
-    print(f"this process: {len(done['finished'])} finished, {pruned}{len(done['failed'])} "
-          f"failed (final), {len(done['error'])} left for a rerun by an error, "
-          f"{len(done['skipped'])} held by other processes, {len(done['reused'])} already "
-          "done")
+    print(f"this process: {len(done['finished'])} finished, {len(done['pruned'])} pruned, "
+          f"{len(done['failed'])} failed (final), {len(done['error'])} left for a rerun by an "
+          f"error, {len(done['skipped'])} held by other processes, {len(done['reused'])} "
+          "already done")
     if done["error"]:
-        print(f"points left by an error (see {Path(out) / 'events'}): "
-              f"{', '.join(done['error'])}; fix the cause and run `{continue_command(out)}`",
-              file=sys.stderr)
+        print(f"points left by an error (see {StudyDir(out).events_dir}): "
+              f"{', '.join(done['error'])}; fix the cause and run "
+              f"`{engine.continue_command(out)}`", file=sys.stderr)
     if report:
-        paths = write_report(out)
-        print("\n".join(str(p) for p in paths.values()))
+        print("\n".join(str(p) for p in reports.write_report(out).values()))
     return 1 if done["error"] else 0
 
 
 def _plan(args: argparse.Namespace) -> int:
     """``--plan FILE``: every study of the plan in turn, each created or joined, or (``report``)
     their reports and the plan's page."""
-    from flarepp.experiments.engine import STUDY_NAME, check_runtime
-    from flarepp.cli.launcher import claim_grace
-    from flarepp.cli.tracking import track_settings
-    from flarepp.experiments.plan import read_plan, write_page
-    from flarepp.experiments.reports import write_report
     if args.grid or args.directory or args.preset not in (None, "report"):
         raise CLIError("--plan FILE names the studies: give no PRESET, DIR or --grid")
-    plan = read_plan(args.plan)
-    out, data = Path(args.out or plan.out), args.data or plan.data_dir
-    chosen = plan.select(args.only)
+    chosen_plan = plan.read_plan(args.plan)
+    out, data = Path(args.out or chosen_plan.out), args.data or chosen_plan.data_dir
+    chosen = chosen_plan.select(args.only)
     if args.preset == "report":
         for entry in chosen:
-            if (out / entry.name / STUDY_NAME).exists():
-                print("\n".join(str(p) for p in write_report(out / entry.name).values()))
-        if plan.page and args.only is None:
-            print(write_page(plan, out))
+            if StudyDir(out / entry.name).has_study():
+                print("\n".join(str(p) for p in reports.write_report(out / entry.name).values()))
+        if chosen_plan.page and args.only is None:
+            print(plan.write_page(chosen_plan, out))
         return 0
-    check_runtime(args.set)
+    engine.check_runtime(args.set)
     grace = claim_grace(args)
-    studies = [(entry, entry.study(plan, data)) for entry in chosen]  # all checked first
+    studies = [(entry, entry.study(chosen_plan, data)) for entry in chosen]  # all checked first
     status = 0
     for entry, study in studies:
         for name in entry.draws():
-            plan.data[name].make(data)
-        print(f"{entry.name}: {entry.command(plan, data, out)}", flush=True)
+            chosen_plan.data[name].make(data)
+        print(f"{entry.name}: {entry.command(chosen_plan, data, out)}", flush=True)
         code = execute(study, out / entry.name, quiet=args.quiet, runtime=args.set or [],
                        report=args.report, track=track_settings(args),
                        claim_grace_s=grace)
@@ -99,11 +88,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from flarepp.cli.launcher import launch_spec, run_launched
-    from flarepp.cli.tracking import track_settings
-    from flarepp.experiments.reports import write_report
-    from flarepp.experiments.search import search_spec
-    from flarepp.experiments.studies import parse_axes, sweep_study
     if args.plan:
         return _plan(args)
     if args.only:
@@ -111,7 +95,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.preset == "report":
         if not args.directory:
             raise CLIError("usage: flarepp sweep report DIR")
-        print("\n".join(str(p) for p in write_report(args.directory).values()))
+        print("\n".join(str(p) for p in reports.write_report(args.directory).values()))
         return 0
     if args.directory:
         raise CLIError(f"unexpected argument {args.directory!r} (a sweep takes PRESET "
@@ -138,8 +122,9 @@ def _sweep(args: argparse.Namespace) -> int:
         raise CLIError("--search optuna needs a PRESET (fixed: a search does not vary it) "
                        "and --trials K (the trials of the study)")
     else:
-        study, runtime = search_spec(args.preset, axes, sets=args.set or [], data=args.data,
-                                     **searching), []
+        spec = search.search_spec(args.preset, axes, sets=args.set or [], data=args.data,
+                                  **searching)
+        study, runtime = search.SearchSource(spec, args.trials), []
     launch = launch_spec(args, runtime)
     if launch is not None:
         if args.search or args.trials:
@@ -153,8 +138,6 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.tracking import add_tracking_arguments
-    from flarepp.experiments.search import PRUNERS, SAMPLERS
     p = sub.add_parser("sweep", help="train a grid of runs over config keys (resumable, "
                                      "shareable by several processes); `sweep --out DIR` "
                                      "continues any study, `sweep report DIR` reports on it")
@@ -185,15 +168,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "'flarepp[search]'): each trial is a point of the study")
     p.add_argument("--trials", type=at_least(1), metavar="K",
                    help="with --search: the study's number of trials (shared by workers)")
-    p.add_argument("--sampler", choices=SAMPLERS.names(), help="with --search (default tpe)")
-    p.add_argument("--pruner", choices=PRUNERS.names(),
+    p.add_argument("--sampler", choices=search.SAMPLERS.names(), help="with --search (default tpe)")
+    p.add_argument("--pruner", choices=search.PRUNERS.names(),
                    help="with --search: stop trials early on the validation metric "
                         "(default median)")
     p.add_argument("--startup-trials", type=at_least(0), metavar="N",
                    help="with --search: TPE draws the first N trials at random, and "
                         "nothing is pruned before N have completed (default 5)")
     add_tracking_arguments(p)
-    from flarepp.cli.launcher import add_launcher_options
     add_launcher_options(p)
     add_threads_argument(p)
     p.set_defaults(func=_sweep)

@@ -1,27 +1,38 @@
-"""The one experiment engine: a study -> claimed points -> train a point -> events.
+"""The one experiment engine: a point source -> claimed points -> train a point -> events.
 
-A :class:`Study` is a list of :class:`Point` s, each a complete run config (the grid of
-``flarepp sweep``, the models x datasets x seeds of ``flarepp compare``, ...), plus the
-report plug-ins that tabulate it (:mod:`flarepp.experiments.reports`). Its directory holds
+A :class:`~flarepp.storage.studydir.Study` is a list of points, each a complete run config
+(the grid of ``flarepp sweep``, the models x datasets x seeds of ``flarepp compare``, the
+trials of an adaptive search, ...), plus the report plug-ins that tabulate it
+(:mod:`flarepp.experiments.reports`). Its directory and every file in it belong to
+:class:`~flarepp.storage.studydir.StudyDir`.
 
-* ``study.json``, written by :func:`create_study` under an exclusive lock, with every
-  point's ``data_root`` resolved to an absolute path: two different studies started at the
-  same instant on one directory cannot both be accepted (the second is refused, naming
-  what differs), and a process joining from another working directory trains on the same
-  data. A study grows but never changes: one that holds every stored point unchanged and
-  adds points (more seeds, a longer schedule) replaces it, and its finished runs count;
-* ``runs/<point>/``, one run directory of the :class:`~flarepp.train.Trainer` per point;
-* ``claims/<point>/.lock``: a process works on a point only while it holds this
+**One loop** (:func:`run_study`), fed by a **point source** (:class:`PointSource`, as Hydra
+keeps the sweeper apart from the launcher and Optuna keeps one optimize loop over its
+storage): the loop asks the source for the next point, works on it and tells the source
+what became of it. Working on a point is the same for every source (:class:`PointWork`):
+
+* its state (:func:`point_state`); a settled point (finished, failed, pruned) is told, not
+  trained;
+* its claim, ``claims/<point>/.lock``: a process works on a point only while it holds this
   :class:`~flarepp.storage.locks.Lease` (an exclusive create with a heartbeat, which holds
-  across hosts sharing the directory), so several processes, on one machine or many, may
-  share one study: a point whose holder was killed is taken over at once on the holder's
-  host, and by another host once the holder's heartbeat is older than its grace period; the
-  taker resumes it from its checkpoint. A process makes passes over the points until one
-  trains nothing, so it also takes over points whose holders died while it worked;
-* ``events/<host>-<pid>.jsonl``: who started, resumed, finished, failed or hit an error on
-  which point, one file per process (appends of several hosts to one file can interleave on
-  NFS), merged in time order when read (:func:`read_events`; a study of an earlier flarepp
-  has one ``events.jsonl``, still read).
+  across hosts sharing the directory). The lease is the one record of who works on what:
+  a point whose holder was killed is taken over at once on the holder's host, and by
+  another host once the holder's heartbeat is older than its grace period; the taker
+  resumes it from its checkpoint (its run directory's lock is taken over with the claim);
+* training it (:func:`train_point`) under the failure policy below; every step is an event
+  (``events/<host>-<pid>.jsonl``: who started, resumed, finished, failed, took over or hit
+  an error on which point; :func:`read_events` merges them).
+
+The sources: :class:`GridSource`, a study's fixed points, in passes until a pass trains
+nothing (so points whose holders died meanwhile are taken over then); and the adaptive
+search's :class:`~flarepp.experiments.search.SearchSource`, Optuna's ask and tell.
+
+``study.json`` is written by :func:`create_study` under an exclusive lock, with every
+point's ``data_root`` resolved to an absolute path: two different studies started at the
+same instant on one directory cannot both be accepted (the second is refused, naming what
+differs), and a process joining from another working directory trains on the same data. A
+study grows but never changes: one that holds every stored point unchanged and adds points
+(more seeds, a longer schedule) replaces it, and its finished runs count.
 
 One rule for "finished with this config" (:func:`point_state`): the run directory holds
 ``metrics.json``, its stored config computes what the point's config computes (runtime
@@ -34,45 +45,46 @@ table entry; a run of other data (finished or not) is not reused or resumed: it 
 One failure policy (:func:`train_point`): a numerical failure (the loss became non-finite)
 is final -- ``failed.json`` records it, the point is not retried, the report shows it; so is
 a run a callback pruned (an adaptive search's pruner: ``pruned.json``, its state
-checkpointed).
-Anything else (a full disk, a locked run directory, data that cannot be read, CUDA out of
-memory, a bug) is recorded as an ``error`` event and leaves the point resumable from its
-checkpoints: the next run of the study retries it once the cause is fixed.
+checkpointed). Anything else (a full disk, a locked run directory, data that cannot be read,
+CUDA out of memory, a bug) is recorded as an ``error`` event and leaves the point resumable
+from its checkpoints: the next run of the study retries it once the cause is fixed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import sys
+import shlex
+import signal
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
-from flarepp.io import UnreadableFile, atomic_write_json, read_json
-from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import (GRACE_S, LOCK_NAME, Lease, LockHolder, RunLock, RunLocked,
-                                   file_safe, host_id)
+import torch
+
+from flarepp.data.fingerprint import DataMismatch, check_same_data
+from flarepp.storage.checkpoint import CheckpointError, newest_readable_checkpoint
+from flarepp.storage.config import RUNTIME_FIELDS, RunConfig
+from flarepp.storage.locks import GRACE_S, Lease, RunLock, RunLocked
 from flarepp.storage.rundir import RunDir
+from flarepp.storage.studydir import Point, Study, StudyDir, check_point_name
+from flarepp.tasks import TASKS, build_task
+from flarepp.train import Trainer, latest_checkpoint
+from flarepp.train.callbacks import TrainerCallback, TrainingPruned
 from flarepp.train.checks import apply_overrides
+from flarepp.train.loop import TrainingInterrupted
 
 if TYPE_CHECKING:
-    from flarepp.train.callbacks import TrainerCallback
     from flarepp.train.tracking import TrackSettings
 
-STUDY_NAME = "study.json"
+STUDY_NAME = StudyDir.STUDY
 STUDY_LOCK_WAIT_S = 60.0  # the study's lock is held for milliseconds by a live holder
-SUPERSEDED_DIR = "superseded"  # runs of data no longer at a point's path, kept
-EVENTS_DIR = "events"
-EVENTS_NAME = "events.jsonl"  # the single log of a study an earlier flarepp started
 FAILED_NAME = RunDir.FAILED
 PRUNED_NAME = RunDir.PRUNED
 COST_NAME = RunDir.COST
-FORMAT = 1
 
 
 class StudyConflict(ValueError):
@@ -84,81 +96,13 @@ class StudyInterrupted(Exception):
     step; rerunning it continues."""
 
     def __init__(self, signum: int, point: str, continue_with: str) -> None:
-        import signal
         self.signum, self.exit_code = signum, 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} while training {point}; "
                          f"its state is checkpointed: continue with `{continue_with}`")
 
 
-@dataclass(frozen=True)
-class Point:
-    """One run of a study: its name (the run directory under ``runs/``), its complete
-    config, and the labels its reports group by (axis values, model, dataset, seed...)."""
-
-    name: str
-    config: RunConfig
-    labels: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "labels": self.labels, "config": self.config.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Point":
-        return cls(d["name"], RunConfig.from_dict(d["config"]), dict(d["labels"]))
-
-
-@dataclass
-class Study:
-    """What a study directory holds (module docstring). ``kind`` names the command that
-    made it; ``reports`` the report plug-ins; ``info`` facts the reports state (read from
-    the data when the study was made); ``timing_epochs`` > 0 gives every point a separate
-    timing run first (Figure 5's cost); ``continue_with`` the command that continues it
-    (set by :func:`create_study`)."""
-
-    kind: str
-    points: list[Point]
-    reports: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
-    timing_epochs: int = 0
-    continue_with: str = ""
-
-    def __post_init__(self) -> None:
-        names = [p.name for p in self.points]
-        if not names:
-            raise ValueError("a study needs at least one point")
-        if len(set(names)) != len(names):
-            raise ValueError(f"repeated point names in {names}")
-        for name in names:
-            check_point_name(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "kind": self.kind, "reports": self.reports,
-                "continue_with": self.continue_with, "info": self.info,
-                "timing_epochs": self.timing_epochs,
-                "points": [p.to_dict() for p in self.points]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Study":
-        return cls(d["kind"], [Point.from_dict(p) for p in d["points"]], list(d["reports"]),
-                   dict(d.get("info", {})), int(d.get("timing_epochs", 0)),
-                   d.get("continue_with", ""))
-
-    def identity(self) -> dict[str, Any]:
-        """What the study computes: its points' names, labels and config identities (runtime
-        fields, facts, messages and the points' order aside)."""
-        return json.loads(json.dumps({
-            "kind": self.kind, "timing_epochs": self.timing_epochs,
-            "points": sorted([p.name, p.labels, p.config.identity()] for p in self.points)}))
-
-
-def check_point_name(name: Any) -> None:
-    """A point's name is its run directory under ``runs/`` and its claim under ``claims/``:
-    a relative path of plain parts, never one that leaves the study (``../x``, ``/x``)."""
-    parts = name.split("/") if isinstance(name, str) else [""]
-    if any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
-        raise ValueError(f"point name {name!r} is not a relative path inside the study "
-                         "(parts separated by '/', none empty, '.' or '..')")
-
+# ---------------------------------------------------------------------------------------------
+# study.json: created, joined, grown
 
 def _point_key(point: Point) -> str:
     return json.dumps([point.labels, point.config.identity()], sort_keys=True, default=str)
@@ -174,23 +118,16 @@ def same_point_names(study: Study, stored: Study) -> Study:
 
 
 def read_study(out_dir: str | Path) -> Study:
-    """The study stored in ``out_dir/study.json``, its ``continue_with`` naming ``out_dir``
-    (where it is now, wherever it was made); a file that is not a study (cut short, edited by
-    hand) is :class:`~flarepp.io.UnreadableFile` naming it and what is wrong."""
-    path = Path(out_dir) / STUDY_NAME
-    stored = read_json(path)
-    try:
-        if not isinstance(stored, dict):
-            raise TypeError(f"it holds a JSON {type(stored).__name__}, not an object")
-        if not isinstance(stored.get("points"), list) or not all(
-                isinstance(p, dict) for p in stored["points"]):
-            raise TypeError("its 'points' is not a list of point objects")
-        study = Study.from_dict(stored)
-    except KeyError as err:
-        raise UnreadableFile(f"{path}: not a study: key {err} is missing") from None
-    except (TypeError, ValueError, AttributeError) as err:
-        raise UnreadableFile(f"{path}: not a study: {err}") from None
+    """The study stored in ``out_dir`` (:meth:`StudyDir.read_study`), its ``continue_with``
+    naming ``out_dir`` (where it is now, wherever it was made)."""
+    study = StudyDir(out_dir).read_study()
     return dataclasses.replace(study, continue_with=continue_command(out_dir))
+
+
+def open_study(out_dir: str | Path) -> Study:
+    """The study stored in ``out_dir`` (a directory an earlier flarepp started is opened by
+    :func:`flarepp.experiments.studies.open_any_study`)."""
+    return read_study(out_dir)
 
 
 def resolve_paths(study: Study, out_dir: Path) -> Study:
@@ -202,26 +139,10 @@ def resolve_paths(study: Study, out_dir: Path) -> Study:
     return dataclasses.replace(study, points=points, continue_with=continue_command(out_dir))
 
 
-@contextlib.contextmanager
-def study_lock(out_dir: Path) -> Iterator[None]:
-    """The lease ``out_dir/.study.lock``, waited for (it is held for milliseconds): the
-    creation and growth of ``study.json``, and an adaptive search's trial bookkeeping."""
-    lock = Lease(out_dir / ".study.lock", heartbeat=False)
-    try:
-        lease = lock.acquire()
-    except RunLocked as err:  # said, then waited for: a stopped holder (Ctrl-Z) keeps it
-        print(f"flarepp: waiting up to {STUDY_LOCK_WAIT_S:.0f} s for {err}", file=sys.stderr,
-              flush=True)
-        try:
-            lease = lock.wait(timeout_s=STUDY_LOCK_WAIT_S)
-        except RunLocked as still:
-            raise RunLocked(f"waited {STUDY_LOCK_WAIT_S:.0f} s for the study's lock: {still}; "
-                            "resume or end that process (a stopped one: `kill -CONT` it)"
-                            ) from None
-    try:
-        yield
-    finally:
-        lease.release()
+def study_lock(out_dir: Path):
+    """The study's lock (:meth:`StudyDir.locked`), waited for up to
+    :data:`STUDY_LOCK_WAIT_S`."""
+    return StudyDir(out_dir).locked(STUDY_LOCK_WAIT_S)
 
 
 def create_study(out_dir: str | Path, study: Study) -> Study:
@@ -230,9 +151,8 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
     it computes the same; another is refused."""
     out_dir = Path(out_dir)
     study = resolve_paths(study, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     with study_lock(out_dir):
-        stored = read_study(out_dir) if (out_dir / STUDY_NAME).exists() else None
+        stored = read_study(out_dir) if StudyDir(out_dir).has_study() else None
         if stored is not None:
             study = same_point_names(study, stored)
         if stored is None or _grows(study, stored):
@@ -247,7 +167,7 @@ def create_study(out_dir: str | Path, study: Study) -> Study:
 
 def store_study(out_dir: Path, study: Study) -> None:
     """Write ``study`` as the study of ``out_dir`` (the caller holds :func:`study_lock`)."""
-    atomic_write_json(Path(out_dir) / STUDY_NAME, study.to_dict())
+    StudyDir(out_dir).write_study(study)
 
 
 def _grows(study: Study, stored: Study) -> bool:
@@ -278,82 +198,38 @@ def _difference(stored: Study, mine: Study) -> str:
 
 def continue_command(out_dir: str | Path) -> str:
     """The command that continues (or joins) the study of ``out_dir``, whatever made it."""
-    import shlex
     return f"flarepp sweep --out {shlex.quote(str(out_dir))}"
 
 
-def open_study(out_dir: str | Path) -> Study:
-    """The study stored in ``out_dir`` (``study.json``; a directory an earlier flarepp
-    started is opened by :func:`flarepp.experiments.studies.open_any_study`)."""
-    path = Path(out_dir) / STUDY_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{str(path)!r} does not exist: no study was started in "
-                                f"{str(out_dir)!r}")
-    return read_study(out_dir)
-
-
 # ---------------------------------------------------------------------------------------------
-# events
+# events (StudyDir's, by the study's path)
 
 def events_file(out_dir: str | Path) -> Path:
-    """This process's own event file, ``events/<host>-<pid>.jsonl``: no other process appends
-    to it, so its lines never interleave with another's, whatever the filesystem."""
-    return Path(out_dir) / EVENTS_DIR / f"{file_safe(host_id())}-{os.getpid()}.jsonl"
+    """This process's own event file (:meth:`StudyDir.events_file`)."""
+    return StudyDir(out_dir).events_file()
 
 
-def record_event(out_dir: Path, point: str, event: str, **extra: Any) -> None:
-    """Append one line to this process's event file (:func:`events_file`). A disk too full
-    for the line is said on stderr."""
-    record = {"point": point, "event": event, "pid": os.getpid(), "host": host_id(),
-              "time": time.time(), **extra}
-    path = events_file(out_dir)
-    try:
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
-        finally:
-            os.close(fd)
-    except OSError as err:
-        print(f"could not record event {record} in {path}: {err}", file=sys.stderr)
+def record_event(out_dir: str | Path, point: str, event: str, **extra: Any) -> None:
+    """Append an event of ``point`` to this process's file (:meth:`StudyDir.record_event`)."""
+    StudyDir(out_dir).record_event(point, event, **extra)
 
 
-def _say_unreadable(problem: str) -> None:
-    print(f"flarepp: {problem}", file=sys.stderr)
-
-
-def read_events(out_dir: str | Path, *,
-                unreadable: Callable[[str], None] = _say_unreadable) -> list[dict[str, Any]]:
-    """Every process's events (``events/*.jsonl``, and an earlier flarepp's ``events.jsonl``)
-    merged in time order. A line that is not an event record (cut short by a full disk or a
-    kill) is left out and said through ``unreadable``, naming its file and line number."""
-    out_dir = Path(out_dir)
-    files = [out_dir / EVENTS_NAME, *sorted((out_dir / EVENTS_DIR).glob("*.jsonl"))]
-    found = []
-    for path in (f for f in files if f.is_file()):
-        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            try:
-                record = json.loads(line)
-                record["point"], record["event"]  # noqa: B018 (an event names both)
-                found.append((float(record["time"]), len(found), record))
-            except (ValueError, KeyError, TypeError):
-                unreadable(f"{path} line {number} is not an event record (cut short by a "
-                           f"full disk or a kill?), left out: {line[:80]!r}")
-    return [record for *_, record in sorted(found, key=lambda f: f[:2])]
+def read_events(out_dir: str | Path, **options: Any) -> list[dict[str, Any]]:
+    """Every process's events in time order (:meth:`StudyDir.read_events`)."""
+    return StudyDir(out_dir).read_events(**options)
 
 
 # ---------------------------------------------------------------------------------------------
 # "finished with this config"
 
 def run_dir(out_dir: str | Path, point: Point | str) -> Path:
-    return Path(out_dir) / "runs" / (point if isinstance(point, str) else point.name)
+    """``runs/<point>`` of the study in ``out_dir`` (:meth:`StudyDir.run_path`)."""
+    return StudyDir(out_dir).run_path(point if isinstance(point, str) else point.name)
 
 
 def point_claim(out_dir: str | Path, name: str, *, grace_s: float = GRACE_S) -> Lease:
-    """The claim of point ``name`` (module docstring): a process trains the point only while
-    it holds it; ``acquire()`` raises ``RunLocked`` while another process does, and takes a
-    gone holder's claim over (``stale`` then names it)."""
-    return Lease(Path(out_dir) / "claims" / name / LOCK_NAME, grace_s=grace_s)
+    """The claim of point ``name`` (:meth:`StudyDir.claim`)."""
+    return StudyDir(out_dir).claim(name, grace_s=grace_s)
 
 
 @dataclass
@@ -388,7 +264,6 @@ class DataFingerprints:
         key = json.dumps([config.task, config.dataset, config.dataset_options,
                           config.data_root], sort_keys=True, default=str)
         if key not in self._cache:
-            from flarepp.tasks import build_task
             self._cache[key] = build_task(config, config.data_root).data_identity()
         return self._cache[key]
 
@@ -396,7 +271,6 @@ class DataFingerprints:
 def stored_fingerprint(directory: Path) -> dict[str, Any] | None:
     """The data fingerprint stored in a run's newest readable checkpoint (an unreadable newer
     one is passed over, as ``--resume`` does); None without a readable one."""
-    from flarepp.storage.checkpoint import newest_readable_checkpoint
     found = newest_readable_checkpoint(directory)
     if found.state is None:
         return None
@@ -407,7 +281,6 @@ def _other_data(stored_data: dict[str, Any] | None, config: RunConfig,
                 fingerprint: Callable[[RunConfig], dict[str, Any]]) -> str | None:
     """Why a run whose checkpoint stores ``stored_data`` is of other data than ``config``'s
     path holds now, or None (the same data, or nothing stored to compare)."""
-    from flarepp.data.fingerprint import DataMismatch, check_same_data
     if not stored_data:
         return None
     try:
@@ -417,6 +290,32 @@ def _other_data(stored_data: dict[str, Any] | None, config: RunConfig,
     return None
 
 
+def _finished_state(directory: Path, point: Point,
+                    fingerprint: Callable[[RunConfig], dict[str, Any]] | None) -> PointState:
+    """The state of a run that holds ``metrics.json`` (:func:`point_state`)."""
+    run = RunDir(directory)
+    stored = run.read_config()
+    # the data is compared by content below: its path may differ (moved, or stored
+    # unresolved by an earlier flarepp)
+    a, b = ({k: v for k, v in c.identity().items() if k != "data_root"}
+            for c in (stored, point.config))
+    if a != b:
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        raise StudyConflict(f"{str(directory)!r} holds a finished run of a different "
+                            f"config (its {', '.join(keys)} differ); choose another --out")
+    metrics = run.read_metrics()
+    if fingerprint is None:
+        return PointState("done", metrics)
+    stored_data = stored_fingerprint(directory)
+    if stored_data is None:
+        return PointState("pending", error="the finished run has no readable checkpoint "
+                                           "to check its data against")
+    other = _other_data(stored_data, point.config, fingerprint)
+    if other is not None:
+        return PointState("pending", error=other, other_data=True)
+    return PointState("done", metrics)
+
+
 def point_state(out_dir: Path, point: Point,
                 fingerprint: Callable[[RunConfig], dict[str, Any]] | None = None) -> PointState:
     """Whether ``point`` is finished (module docstring); ``fingerprint`` gives the current
@@ -424,30 +323,11 @@ def point_state(out_dir: Path, point: Point,
     directory = run_dir(out_dir, point)
     run = RunDir(directory)
     if run.has_metrics():
-        stored = run.read_config()
-        # the data is compared by content below: its path may differ (moved, or stored
-        # unresolved by an earlier flarepp)
-        a, b = ({k: v for k, v in c.identity().items() if k != "data_root"}
-                for c in (stored, point.config))
-        if a != b:
-            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-            raise StudyConflict(f"{str(directory)!r} holds a finished run of a different "
-                                f"config (its {', '.join(keys)} differ); choose another --out")
-        metrics = run.read_metrics()
-        if fingerprint is None:
-            return PointState("done", metrics)
-        stored_data = stored_fingerprint(directory)
-        if stored_data is None:
-            return PointState("pending", error="the finished run has no readable checkpoint "
-                                               "to check its data against")
-        other = _other_data(stored_data, point.config, fingerprint)
-        if other is not None:
-            return PointState("pending", error=other, other_data=True)
-        return PointState("done", metrics)
+        return _finished_state(directory, point, fingerprint)
     failure = read_failure(directory)
     if failure is not None:
         return PointState("failed", error=failure["error"])
-    pruned = RunDir(directory).read_pruned()
+    pruned = run.read_pruned()
     if pruned is not None:
         return PointState("pruned", error=pruned["reason"])
     other = (None if fingerprint is None
@@ -460,24 +340,38 @@ def point_state(out_dir: Path, point: Point,
 # ---------------------------------------------------------------------------------------------
 # train a point
 
+@dataclass(frozen=True)
+class Outcome:
+    """What became of a point the loop worked on: ``finished``, ``failed`` (numerically,
+    final), ``pruned`` (final), ``error`` (left resumable; ``error`` says why), ``held``
+    (another live process holds it; ``error`` names it) or ``settled`` (finished, failed or
+    pruned before: ``state``). A finished point's ``state`` holds its metrics."""
+
+    status: str
+    state: PointState | None = None
+    error: str | None = None
+
+
+TRAINED = ("finished", "failed", "pruned", "error")
+"""The outcomes of a point this process worked on."""
+
+OUTCOMES = ("finished", "failed", "pruned", "error", "skipped", "reused")
+"""What :func:`run_study` counts a point as for this process."""
+
+
 def environment_errors() -> tuple[type[BaseException], ...]:
     """Errors that have nothing to do with the numbers: they leave a point resumable."""
-    import torch
-
-    from flarepp.data.fingerprint import DataMismatch
-    from flarepp.storage.checkpoint import CheckpointError
     return (OSError, RunLocked, DataMismatch, CheckpointError, torch.OutOfMemoryError)
+
+
+def error_kind(err: BaseException) -> str:
+    return "environment" if isinstance(err, environment_errors()) else "unexpected"
 
 
 def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
     """A separate timing run (paper Sec. D.4): ``epochs`` training epochs of ``config`` from
     scratch in a temporary directory; the last one's wall time (data loading included) and
     this process's CPU time over it. Nothing is evaluated or kept."""
-    import tempfile
-
-    import torch
-
-    from flarepp.train import Trainer
     with tempfile.TemporaryDirectory(prefix="flarepp-timing-") as tmp:
         # the schedule must last the timing epochs (a run of fewer epochs is timed too)
         timed = dataclasses.replace(config, epochs=max(config.epochs, epochs))
@@ -493,179 +387,286 @@ def time_epoch(config: RunConfig, *, epochs: int = 2) -> dict[str, Any]:
             "device": str(trainer.device), "threads": torch.get_num_threads()}
 
 
+def _time_point(study: Study, out: StudyDir, point: Point, config: RunConfig,
+                log: Callable[[str], None], tag: str) -> None:
+    """The point's separate timing run, once, where the study asks for one."""
+    run = out.run(point.name)
+    if study.timing_epochs and not run.has_cost():
+        cost = time_epoch(config, epochs=study.timing_epochs)
+        run.write_cost(cost)
+        out.record_event(point.name, "timed", **cost)
+        log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
+            f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
+
+
 def train_point(study: Study, out_dir: Path, point: Point, config: RunConfig,
                 log: Callable[[str], None], tag: str, *,
                 callbacks: Sequence[TrainerCallback] = (),
-                track: TrackSettings | None = None) -> str:
-    """Time (if the study asks) and train or resume one claimed point; returns ``finished``,
-    ``failed`` (numerically: final, ``failed.json``), ``pruned`` (a callback stopped it:
-    final, ``pruned.json``) or ``error`` (resumable; an event). ``callbacks`` go to the
-    trainer (:mod:`flarepp.train.callbacks`); ``track`` (a
+                track: TrackSettings | None = None) -> Outcome:
+    """Time (if the study asks) and train or resume one claimed point: ``finished`` (its
+    metrics in ``state``), ``failed`` (numerically: final, ``failed.json``), ``pruned`` (a
+    callback stopped it: final, ``pruned.json``) or ``error`` (resumable; an event).
+    ``callbacks`` go to the trainer (:mod:`flarepp.train.callbacks`); ``track`` (a
     :class:`~flarepp.train.tracking.TrackSettings`) adds a tracker, the study's directory
     naming its experiment, and has the run's figures drawn for it."""
-    from flarepp.train import Trainer, latest_checkpoint
-    from flarepp.train.callbacks import TrainingPruned
-    from flarepp.train.loop import TrainingInterrupted
-    directory = run_dir(out_dir, point)
+    out = StudyDir(out_dir)
+    directory = out.run_path(point.name)
     if track is not None:
         callbacks = [*track.callbacks(directory, point.name, study=out_dir), *callbacks]
     try:
-        if study.timing_epochs and not RunDir(directory).has_cost():
-            cost = time_epoch(config, epochs=study.timing_epochs)
-            RunDir(directory).write_cost(cost)
-            record_event(out_dir, point.name, "timed", **cost)
-            log(f"{tag}: an epoch takes {cost['epoch_seconds']:.3g} s "
-                f"({cost['epoch_cpu_seconds']:.3g} s CPU)")
+        _time_point(study, out, point, config, log, tag)
         resume = latest_checkpoint(directory) is not None
-        record_event(out_dir, point.name, "resume" if resume else "start")
+        out.record_event(point.name, "resume" if resume else "start")
         log(f"{tag}: {'resuming' if resume else 'training'} into {directory}")
         metrics = Trainer(config, directory, resume=resume, progress=False,
                           callbacks=callbacks, plot=track is not None).fit()
     except TrainingPruned as err:
         RunDir(directory).write_pruned(err.reason, err.epoch)
-        record_event(out_dir, point.name, "prune", epoch=err.epoch, reason=err.reason)
+        out.record_event(point.name, "prune", epoch=err.epoch, reason=err.reason)
         log(f"{tag}: pruned after epoch {err.epoch} (final): {err.reason}")
-        return "pruned"
+        return Outcome("pruned", error=err.reason)
     except FloatingPointError as err:
         RunDir(directory).write_failure(err)
-        record_event(out_dir, point.name, "fail", error=str(err))
+        out.record_event(point.name, "fail", error=str(err))
         log(f"{tag}: failed (final, not retried): {err}")
-        return "failed"
+        return Outcome("failed", error=str(err))
     except TrainingInterrupted as err:
-        record_event(out_dir, point.name, "interrupt", signal=err.signum)
+        out.record_event(point.name, "interrupt", signal=err.signum)
         raise StudyInterrupted(err.signum, point.name, study.continue_with) from None
     except Exception as err:  # recorded, resumable: retried when the study runs again
-        kind = "environment" if isinstance(err, environment_errors()) else "unexpected"
-        record_event(out_dir, point.name, "error", error=f"{type(err).__name__}: {err}",
-                     kind=kind)
-        log(f"{tag}: {kind} error, left resumable (retried on the next run): "
-            f"{type(err).__name__}: {err}")
-        return "error"
-    from flarepp.tasks import TASKS
+        error = f"{type(err).__name__}: {err}"
+        out.record_event(point.name, "error", error=error, kind=error_kind(err))
+        log(f"{tag}: {error_kind(err)} error, left resumable (retried on the next run): "
+            f"{error}")
+        return Outcome("error", error=error)
     headline = f"test_{TASKS.get(config.task).headline}"
-    record_event(out_dir, point.name, "finish", **{headline: metrics[headline]})
+    out.record_event(point.name, "finish", **{headline: metrics[headline]})
     log(f"{tag}: {headline} {metrics[headline]:.4g}")
-    return "finished"
+    return Outcome("finished", PointState("done", metrics))
 
 
 def check_runtime(runtime: list[str] | None) -> None:
     """``runtime`` (``--set`` items for one process of a study) names runtime fields only."""
-    from flarepp.storage.config import RUNTIME_FIELDS
     for item in runtime or []:
         if item.split("=", 1)[0].strip() not in RUNTIME_FIELDS:
             raise ValueError(f"{item!r}: only runtime fields ({', '.join(RUNTIME_FIELDS)}) "
                              "may differ between the processes of a study")
 
 
-def run_study(study: Study, out_dir: str | Path, *, runtime: list[str] | None = None,
-              log: Callable[[str], None] = print,
-              claim_grace_s: float = GRACE_S,
-              track: TrackSettings | None = None) -> dict[str, list[str]]:
-    """Train every point of ``study`` that is neither finished nor held by another process
-    (the study is created in ``out_dir`` first, or joined: :func:`create_study`), in passes
-    until a pass trains nothing (points held by processes that died meanwhile are taken
-    over then).
-
-    ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
-    only; ``claim_grace_s`` the seconds without a heartbeat after which another host takes
-    this process's points over; ``track`` sends this process's runs to a tracker
-    (:func:`train_point`). Returns this process's point names by outcome: ``finished``,
-    ``failed``, ``pruned``, ``error`` (left resumable), ``skipped`` (held by another
-    process), ``reused``. A study directory where no claim can be made raises
-    :class:`~flarepp.storage.locks.LockUnavailable` before anything is trained."""
-    check_runtime(runtime or [])
-    out_dir = Path(out_dir)
-    study = create_study(out_dir, study)
-    fingerprints = DataFingerprints()
-    outcome: dict[str, str | None] = {}
-
-    def state(point: Point, tag: str) -> PointState | None:
-        try:
-            return point_state(out_dir, point, fingerprints)
-        except StudyConflict:
-            raise
-        except Exception as err:  # the data cannot be read: the same policy as training
-            record_event(out_dir, point.name, "error", error=f"{type(err).__name__}: {err}",
-                         kind="environment" if isinstance(err, environment_errors())
-                         else "unexpected")
-            log(f"{tag}: cannot check its data, left for the next run: "
-                f"{type(err).__name__}: {err}")
-            return None
-
-    def visit(point: Point, tag: str, first: bool) -> str | None:
-        """This process's outcome for ``point``; ``None``: failed before (final)."""
-        now = state(point, tag)
-        if now is None:
-            return "error"
-        if now.status in ("failed", "pruned"):
-            if first:
-                log(f"{tag}: {now.status} before (final, not retried): {now.error}")
-            return None if first else "skipped"
-        if now.status == "done":
-            return "reused" if first else "skipped"  # later: finished by its holder
-        claim = point_claim(out_dir, point.name, grace_s=claim_grace_s)
-        try:
-            claim.acquire()
-        except RunLocked:
-            return "skipped"
-        try:
-            now = state(point, tag)  # another process may have finished it meanwhile
-            if now is None or now.status != "pending":
-                return "error" if now is None else "skipped"
-            if claim.stale is not None:
-                _take_over(out_dir, point, claim.stale, log, tag)
-            if now.error:
-                log(f"{tag}: not reused: {now.error}")
-            if now.other_data:
-                set_aside(out_dir, point, log, tag)
-            config = apply_overrides(point.config, runtime) if runtime else point.config
-            return train_point(study, out_dir, point, config, log, tag, track=track)
-        finally:
-            claim.release()
-
-    waiting = list(enumerate(study.points))
-    while waiting:
-        trained = False
-        for i, point in waiting:
-            was = outcome.get(point.name)
-            outcome[point.name] = visit(point, f"[{i + 1}/{len(study.points)}] {point.name}",
-                                        first=was is None)
-            trained |= outcome[point.name] in ("finished", "failed", "pruned", "error")
-        waiting = [(i, p) for i, p in waiting if outcome[p.name] == "skipped"]
-        if not trained:
-            break
-    return {k: [p.name for p in study.points if outcome.get(p.name) == k]
-            for k in ("finished", "failed", "pruned", "error", "skipped", "reused")}
-
-
-def _take_over(out_dir: Path, point: Point, gone: LockHolder, log: Callable[[str], None],
-               tag: str) -> None:
-    """``point`` was claimed by ``gone``, a process judged gone: its run directory's lock is
-    taken over too (its last heartbeat may be a moment younger than the claim's)."""
-    RunLock(run_dir(out_dir, point)).take_over_from(gone)
-    record_event(out_dir, point.name, "takeover", holder=gone.describe())
-    log(f"{tag}: taken over from {gone.describe()}, which left it without releasing it")
-
-
 def set_aside(out_dir: Path, point: Point, log: Callable[[str], None], tag: str) -> None:
     """Move ``point``'s run, trained on data no longer at its path, to
     ``superseded/<point>/<time>`` (kept, not deleted), so that the point trains afresh on
     the data there now instead of resuming checkpoints that refuse it."""
-    kept = (Path(out_dir) / SUPERSEDED_DIR / point.name
-            / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}")
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(run_dir(out_dir, point), kept)
-    record_event(out_dir, point.name, "superseded", kept=str(kept))
+    out = StudyDir(out_dir)
+    kept = out.set_aside(point.name)
+    out.record_event(point.name, "superseded", kept=str(kept))
     log(f"{tag}: its run of the other data is kept in {kept}; training it afresh")
+
+
+# ---------------------------------------------------------------------------------------------
+# the one loop and its point sources
+
+@dataclass
+class Offer:
+    """A point a source hands the loop: ``tag`` names it in log lines; ``study`` is the
+    study as the source knows it now (a search grows it trial by trial); ``first``: this
+    process has not been offered it before; ``claim``: its lease when the source took it (a
+    search claims its trial's point under the study's lock), else the loop claims it;
+    ``callbacks`` go to its trainer; ``ticket`` is the source's own (a search's trial)."""
+
+    point: Point
+    tag: str
+    study: Study
+    first: bool = True
+    claim: Lease | None = None
+    callbacks: Sequence[TrainerCallback] = ()
+    ticket: Any = None
+
+
+Claim = Callable[[str], Lease]
+"""Takes the claim of a point by name (:meth:`PointWork.claim`)."""
+
+
+class PointSource(Protocol):
+    """What to work on next; :func:`run_study` is the one loop that works on it.
+
+    ``start`` creates or joins the study in ``out`` before the first point; ``next`` gives
+    the next point (None: nothing is left for this process), and may take its claim through
+    ``claim`` (``RunLocked`` while another live process holds it); ``tell`` hears what
+    became of it and says what it counts as for this process (one of :data:`OUTCOMES`, or
+    None: not counted); ``abandon`` hears the error that stops the loop while it works on a
+    point (a stop signal, a conflict, a bug), raised after it."""
+
+    def start(self, out: StudyDir, log: Callable[[str], None]) -> None: ...
+
+    def next(self, claim: Claim) -> Offer | None: ...
+
+    def tell(self, offer: Offer, outcome: Outcome) -> str | None: ...
+
+    def abandon(self, offer: Offer, error: BaseException) -> None: ...
+
+
+class GridSource:
+    """A study's fixed points (a grid, a comparison, ...), offered in passes: a pass offers
+    every point not settled or worked on yet, and the next pass those that another process
+    held, until a pass trains nothing (so points whose holders died meanwhile are taken
+    over then)."""
+
+    def __init__(self, study: Study) -> None:
+        self.study = study
+        self._offers: Iterator[Offer] = iter(())
+        self._counted: dict[str, str | None] = {}
+        self._trained = False
+        self.log: Callable[[str], None] = print
+
+    def start(self, out: StudyDir, log: Callable[[str], None]) -> None:
+        self.study, self.log = create_study(out.path, self.study), log
+        self._offers = self._passes()
+
+    def _passes(self) -> Iterator[Offer]:
+        waiting, first = list(enumerate(self.study.points)), True
+        while waiting:
+            self._trained = False
+            for i, point in waiting:
+                yield Offer(point, f"[{i + 1}/{len(self.study.points)}] {point.name}",
+                            self.study, first=first)
+            waiting = [(i, p) for i, p in waiting if self._counted.get(p.name) == "skipped"]
+            if not self._trained:
+                return
+            first = False
+
+    def next(self, claim: Claim) -> Offer | None:
+        return next(self._offers, None)
+
+    def tell(self, offer: Offer, outcome: Outcome) -> str | None:
+        self._trained |= outcome.status in TRAINED
+        counted: str | None = outcome.status if outcome.status in TRAINED else "skipped"
+        if outcome.status == "settled" and offer.first:
+            if outcome.state.status == "done":
+                counted = "reused"
+            else:  # failed or pruned before: final, not counted again
+                self.log(f"{offer.tag}: {outcome.state.status} before (final, not retried): "
+                         f"{outcome.state.error}")
+                counted = None
+        self._counted[offer.point.name] = counted
+        return counted
+
+    def abandon(self, offer: Offer, error: BaseException) -> None:
+        """Nothing to undo: the point's run keeps its checkpoints."""
+
+
+class PointWork:
+    """How the loop works on one offered point, whatever its source (module docstring):
+    its state, its claim and a gone holder's takeover, a run of other data set aside, and
+    training under the failure policy. ``runtime`` are ``--set`` items of runtime fields for
+    this process; ``grace_s`` the seconds without a heartbeat after which another host
+    takes this process's points over; ``track`` where its runs are tracked."""
+
+    def __init__(self, out: StudyDir, runtime: list[str], log: Callable[[str], None],
+                 grace_s: float, track: TrackSettings | None) -> None:
+        self.out, self.runtime, self.log = out, runtime, log
+        self.grace_s, self.track = grace_s, track
+        self.fingerprints = DataFingerprints()
+
+    def claim(self, name: str) -> Lease:
+        """Point ``name``'s claim, taken (``RunLocked`` names a live holder); a gone
+        holder's run directory lock is taken over with it (its last heartbeat may be a
+        moment younger than the claim's)."""
+        lease = self.out.claim(name, grace_s=self.grace_s).acquire()
+        if lease.stale is not None:
+            RunLock(self.out.run_path(name)).take_over_from(lease.stale)
+        return lease
+
+    def state(self, offer: Offer) -> Outcome:
+        """``pending`` or ``settled`` with the point's state, or ``error`` when its data
+        cannot be read (the policy of training: recorded, left for the next run)."""
+        try:
+            state = point_state(self.out.path, offer.point, self.fingerprints)
+        except StudyConflict:
+            raise
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+            self.out.record_event(offer.point.name, "error", error=error, kind=error_kind(err))
+            self.log(f"{offer.tag}: cannot check its data, left for the next run: {error}")
+            return Outcome("error", error=error)
+        return Outcome("pending" if state.status == "pending" else "settled", state)
+
+    def visit(self, offer: Offer) -> Outcome:
+        """Work on ``offer``: a settled point is told; a pending one is claimed (unless the
+        source claimed it), checked again under its claim and trained."""
+        if offer.claim is None:  # a settled point is not claimed, a held one not waited for
+            before = self.state(offer)
+            if before.status != "pending":
+                return before
+            try:
+                offer.claim = self.claim(offer.point.name)
+            except RunLocked as held:
+                self.log(f"{offer.tag}: left to its holder: {held}")
+                return Outcome("held", error=str(held))
+        now = self.state(offer)  # under the claim: its holder may have settled it meanwhile
+        if now.status != "pending":
+            return now
+        self._prepare(offer, now.state)
+        config = (apply_overrides(offer.point.config, self.runtime) if self.runtime
+                  else offer.point.config)
+        return train_point(offer.study, self.out.path, offer.point, config, self.log,
+                           offer.tag, callbacks=offer.callbacks, track=self.track)
+
+    def _prepare(self, offer: Offer, state: PointState) -> None:
+        """Record a takeover of a gone holder; set a run of other data aside."""
+        gone = offer.claim.stale
+        if gone is not None:
+            self.out.record_event(offer.point.name, "takeover", holder=gone.describe())
+            self.log(f"{offer.tag}: taken over from {gone.describe()}, which left it without "
+                     "releasing it")
+        if state.error:
+            self.log(f"{offer.tag}: not reused: {state.error}")
+        if state.other_data:
+            set_aside(self.out.path, offer.point, self.log, offer.tag)
+
+
+def run_study(study: Study | PointSource, out_dir: str | Path, *,
+              runtime: list[str] | None = None, log: Callable[[str], None] = print,
+              claim_grace_s: float = GRACE_S,
+              track: TrackSettings | None = None) -> dict[str, list[str]]:
+    """The one loop: work on every point ``study`` offers in ``out_dir`` (a
+    :class:`Study` is offered by a :class:`GridSource`; an adaptive search is its own
+    :class:`PointSource`), telling the source each outcome (module docstring).
+
+    ``runtime`` are ``--set`` items of runtime fields (``device=cpu``) for this process
+    only; ``claim_grace_s`` the seconds without a heartbeat after which another host takes
+    this process's points over; ``track`` sends this process's runs to a tracker
+    (:func:`train_point`). Returns this process's point names by what they count as
+    (:data:`OUTCOMES`: ``finished``, ``failed``, ``pruned``, ``error`` (left resumable),
+    ``skipped`` (held by another process), ``reused``). A study directory where no claim can
+    be made raises :class:`~flarepp.storage.locks.LockUnavailable` before anything is
+    trained."""
+    check_runtime(runtime)
+    source = GridSource(study) if isinstance(study, Study) else study
+    work = PointWork(StudyDir(out_dir), list(runtime or []), log, claim_grace_s, track)
+    source.start(work.out, log)
+    counted: dict[str, str | None] = {}
+    while (offer := source.next(work.claim)) is not None:
+        try:
+            counted[offer.point.name] = source.tell(offer, work.visit(offer))
+        except BaseException as err:
+            source.abandon(offer, err)
+            raise
+        finally:  # after the source is told: a claimed point is never left untold
+            if offer.claim is not None:
+                offer.claim.release()
+    return {k: [name for name, c in counted.items() if c == k] for k in OUTCOMES}
 
 
 def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["DataFingerprints", "Point", "PointState", "Study", "StudyConflict",
-           "StudyInterrupted", "check_runtime", "continue_command", "create_study",
-           "events_file", "open_study", "point_claim", "point_state", "read_events",
-           "read_failure", "read_study", "record_event", "run_dir", "run_study",
-           "same_point_names", "set_aside", "store_study", "study_lock", "time_epoch",
-           "train_point"]
+__all__ = ["COST_NAME", "Claim", "DataFingerprints", "FAILED_NAME", "GridSource", "OUTCOMES",
+           "Offer", "Outcome", "PRUNED_NAME", "Point", "PointSource", "PointState",
+           "PointWork", "STUDY_NAME", "Study", "StudyConflict", "StudyInterrupted",
+           "check_point_name", "check_runtime", "continue_command", "create_study",
+           "environment_errors", "events_file", "open_study", "point_claim", "point_state",
+           "read_events", "read_failure", "read_study", "record_event", "resolve_paths",
+           "run_dir", "run_study", "same_point_names", "set_aside", "store_study",
+           "study_lock", "time_epoch", "train_point"]

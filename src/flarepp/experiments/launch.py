@@ -29,6 +29,7 @@ for Ctrl-C); the same command continues the study. SLURM jobs outlive the launch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
@@ -38,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, point_state,
-                                        run_study)
+from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, create_study,
+                                        point_state, run_study)
+from flarepp.experiments.studies import open_any_study
 from flarepp.registry import Registry
 from flarepp.storage.locks import GRACE_S, HOST_ENV
+from flarepp.storage.studydir import StudyDir
 from flarepp.threads import CORES_ENV, usable_cores, worker_share
 
 STOP_WAIT_S = 120.0
@@ -51,6 +54,15 @@ LOCAL_TIME_MIN = 60 * 24 * 365
 """The local executor's time limit when none is given: none in practice."""
 
 INSTALL_HINT = "pip install 'flarepp[cluster]' (the PyPI package 'submitit')"
+
+LAUNCHER_SBATCH = {"array": "--workers", "time": "--time", "partition": "--partition",
+                   "account": "--account", "qos": "--qos", "cpus-per-task": "--cpus-per-task",
+                   "gpus-per-task": "--gpus-per-task", "job-name": None, "nodes": None,
+                   "ntasks-per-node": None, "signal": None, "output": None, "error": None,
+                   "open-mode": None}
+"""``#SBATCH`` options the SLURM launcher writes itself (one task per node, the job array
+of the workers, SLURM's warning signal, the worker logs), and the launcher option that sets
+each where there is one: an ``--sbatch`` item may not replace them."""
 
 
 class LauncherUnavailable(OSError):
@@ -81,6 +93,19 @@ class LaunchSpec:
         LAUNCHERS.entry(self.launcher)  # an unknown name lists the known ones
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        texts = [(f"--{k}", getattr(self, k)) for k in ("partition", "account", "qos")]
+        for option, text in [*texts, *(("--sbatch", f"{k}={v}") for k, v in self.sbatch)]:
+            if text is not None and any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+                raise ValueError(f"{option} {text!r} holds a line break or another control "
+                                 "character: each SLURM option is one line of the job script")
+        for key, _ in self.sbatch:
+            name = key.strip().lstrip("-").replace("_", "-")
+            if name in LAUNCHER_SBATCH:
+                instead = LAUNCHER_SBATCH[name]
+                raise ValueError(f"--sbatch {key}=...: the launcher writes #SBATCH --{name} "
+                                 "itself" + (f"; give {instead} instead" if instead else
+                                             " (one task per node, the workers' job array, "
+                                             "their logs and the warning signal)"))
 
 
 class StudyWorker:
@@ -95,7 +120,6 @@ class StudyWorker:
         self.track = track  # a TrackSettings: where this worker tracks its runs
 
     def __call__(self) -> dict[str, list[str]]:
-        from flarepp.experiments.studies import open_any_study
         requeue = _preemption_handler()
         try:
             return run_study(open_any_study(self.out_dir), self.out_dir, runtime=self.runtime,
@@ -178,12 +202,30 @@ def slurm_jobs(spec: LaunchSpec, folder: Path, worker: StudyWorker) -> list[Any]
 @dataclass
 class LaunchOutcome:
     """What a launch did: its jobs; after waiting, the study's points by state (``done``,
-    ``failed``, ``pending``) and a sentence per worker that died."""
+    ``failed``, ``pending``) and a sentence per worker that died; ``note``: why fewer
+    workers than asked were started."""
 
     jobs: list[Any]
     folder: Path
     states: dict[str, list[str]] | None = None
     died: list[str] | None = None
+    note: str | None = None
+
+
+def worker_count(spec: LaunchSpec, study: Study, out_dir: Path) -> tuple[int, str | None]:
+    """How many of ``spec.workers`` to start: no more than the study's open points (not
+    finished, failed or pruned; a worker without a point would start a process for
+    nothing) and, on this machine, than its usable cores; the sentence says why fewer."""
+    limits = {"open point(s)": sum(point_state(out_dir, p).status == "pending"
+                                   for p in study.points)}
+    if spec.launcher == "local":
+        limits["usable core(s)"] = usable_cores()
+    count = min(spec.workers, *limits.values())
+    if count == spec.workers:
+        return count, None
+    why = " and ".join(f"{n} {what}" for what, n in limits.items() if n < spec.workers)
+    return count, (f"flarepp sweep: starting {count} of the {spec.workers} workers asked: "
+                   f"the study has {why}")
 
 
 def check_launcher(spec: LaunchSpec) -> None:
@@ -204,35 +246,44 @@ def check_launcher(spec: LaunchSpec) -> None:
 
 def launch(study: Study, out_dir: str | Path, spec: LaunchSpec, *, wait: bool,
            track: Any = None) -> LaunchOutcome:
-    """Create (or join) ``study`` in ``out_dir`` and start ``spec.workers`` workers on it
-    (``track``: a :class:`~flarepp.train.tracking.TrackSettings` for their runs); with
-    ``wait``, wait for them and read the points' states from the directory."""
-    from flarepp.experiments.engine import create_study
+    """Create (or join) ``study`` in ``out_dir`` and start its workers on it, at most
+    ``spec.workers`` (:func:`worker_count`; ``track``: a
+    :class:`~flarepp.train.tracking.TrackSettings` for their runs); with ``wait``, wait for
+    them and read the points' states from the directory."""
     check_launcher(spec)
     check_runtime(list(spec.runtime))
     out_dir = Path(out_dir).resolve()  # the workers may start elsewhere
     study = create_study(out_dir, study)
-    folder = out_dir / "launch"
+    count, note = worker_count(spec, study, out_dir)
+    folder = StudyDir(out_dir).launch_dir
     worker = StudyWorker(out_dir, spec.runtime, spec.claim_grace_s, track)
-    jobs = LAUNCHERS.get(spec.launcher)(spec, folder, worker)
-    outcome = LaunchOutcome(jobs, folder)
+    jobs = (LAUNCHERS.get(spec.launcher)(dataclasses.replace(spec, workers=count), folder,
+                                         worker) if count else [])
+    outcome = LaunchOutcome(jobs, folder, note=note)
     if not wait:
         return outcome
-    outcome.died = []
+    outcome.died = _wait(jobs, spec)
+    outcome.states = {"done": [], "failed": [], "pending": []}
+    for point in study.points:
+        outcome.states.setdefault(point_state(out_dir, point).status, []).append(point.name)
+    return outcome
+
+
+def _wait(jobs: list[Any], spec: LaunchSpec) -> list[str]:
+    """Wait for ``jobs`` (a local launch stops them when it is stopped); a sentence per job
+    that died."""
+    died = []
     stopping = _stop_workers_with_launch(jobs) if spec.launcher == "local" else None
     for i, job in enumerate(jobs):
         try:
             job.result()
         except Exception as err:  # noqa: BLE001 -- submitit reports a dead job so
             last = str(err).strip().splitlines()[-1:] or [type(err).__name__]
-            outcome.died.append(f"worker {i + 1} (job {job.job_id}) ended without finishing: "
-                                f"{last[0]}; its log: {job.paths.stderr}")
+            died.append(f"worker {i + 1} (job {job.job_id}) ended without finishing: "
+                        f"{last[0]}; its log: {job.paths.stderr}")
     if stopping is not None:
         stopping()
-    outcome.states = {"done": [], "failed": [], "pending": []}
-    for point in study.points:
-        outcome.states[point_state(out_dir, point).status].append(point.name)
-    return outcome
+    return died
 
 
 def _stop_local_job(job: Any) -> None:
@@ -292,4 +343,5 @@ def _stop_workers_with_launch(jobs: list[Any]) -> Callable[[], None]:
 
 
 __all__ = ["INSTALL_HINT", "LAUNCHERS", "LaunchOutcome", "LaunchSpec", "LauncherUnavailable",
-           "StudyWorker", "check_launcher", "launch", "local_jobs", "slurm_jobs", "usable_cores"]
+           "LAUNCHER_SBATCH", "StudyWorker", "check_launcher", "launch", "local_jobs",
+           "slurm_jobs", "usable_cores", "worker_count"]

@@ -38,9 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from flarepp.experiments.engine import STUDY_NAME, Study
+from flarepp.data.generators import GENERATORS
+from flarepp.experiments.engine import Study
+from flarepp.experiments.reports import REPORTS, report_sections, status_counts, training_hours
 from flarepp.experiments.studies import parse_axes, sweep_study
 from flarepp.io import atomic_write_bytes, atomic_write_text, read_json
+from flarepp.storage.studydir import StudyDir
+from flarepp.train.presets import PRESETS
 
 PLAN_KEYS = ("out", "data_dir", "data", "studies", "page", "head", "appendix", "figures")
 STUDY_KEYS = ("name", "title", "preset", "grid", "sets", "data", "sections", "caveat")
@@ -73,7 +77,6 @@ class DataDraw:
             return target
         if self.dataset is None:
             raise FileNotFoundError(f"data {self.name!r}: {str(target)!r} does not exist")
-        from flarepp.data.generators import GENERATORS
         entry = GENERATORS.entry(self.dataset)
         resolution = entry.defaults.get("resolution") if self.resolution is None \
             else self.resolution
@@ -187,7 +190,6 @@ def _draw(path: Path, name: str, spec: Any) -> DataDraw:
         if set(spec) != {"path"}:
             raise ValueError(f"{where}: an existing 'path' is only read; give it alone")
         return DataDraw(name, path=str(spec["path"]))
-    from flarepp.data.generators import GENERATORS
     missing = [k for k in ("dataset", "train", "test") if k not in spec]
     if missing:
         raise ValueError(f"{where}: give {', '.join(missing)} (or the 'path' of existing "
@@ -205,8 +207,6 @@ def _draw(path: Path, name: str, spec: Any) -> DataDraw:
 
 
 def _study(path: Path, spec: Any, data: dict[str, DataDraw]) -> PlanStudy:
-    from flarepp.experiments.reports import REPORTS
-    from flarepp.train.presets import PRESETS
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ValueError(f"{path}: every study is an object with a 'name', got {spec!r}")
     name = spec["name"]
@@ -288,11 +288,10 @@ def page_section(plan: Plan, entry: PlanStudy, out: str | Path, figures: Path,
     """A study's part of the page: its heading, the command it is, its runs' status
     counts and training time, its caveat, and its ``sections`` plug-ins' lines (their
     images copied into ``figures`` and linked from ``page``)."""
-    from flarepp.experiments.reports import report_sections, status_counts, training_hours
     directory = Path(out) / entry.name
     lines = [f"## {entry.title}", ""]
     command = entry.command(plan, "DATA", "STUDIES")
-    if not (directory / STUDY_NAME).exists():
+    if not StudyDir(directory).has_study():
         return lines + [f"Not measured yet: `{command}` (`flarepp sweep --plan {plan.path} "
                         f"--only {entry.name}`).", ""]
     rep = report_sections(directory, entry.sections)

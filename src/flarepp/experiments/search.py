@@ -6,10 +6,9 @@ log-uniform) and ``LOW..HIGH`` an integer one (``:log`` too), both ends included
 value is used to 4 significant digits. A trial's config is built as a grid point's (the
 preset, ``--set``, ``--data``, then the trial's values), and the trial *is* a point of the
 study: named and labelled like a grid point (``lr-0.001234_seed-7``), added to
-``study.json`` when it is asked (the study grows), trained by the engine's
-:func:`~.engine.train_point`, so ``flarepp sweep report`` and its plug-ins read the trials as
-they read grid points, plus the ``search`` plug-in (:mod:`.reports.search`): the trials, their
-states and the best one.
+``study.json`` when it is asked (the study grows), so ``flarepp sweep report`` and its
+plug-ins read the trials as they read grid points, plus the ``search`` plug-in
+(:mod:`.reports.search`): the trials, their states and the best one.
 
 **The objective** is the task's headline on its validation split (``--set
 val_fraction=F`` carves one from the training data; a task with its own, LRA, uses it),
@@ -26,18 +25,23 @@ which is recorded ``pruned``, final, like a diverged one. TPE (default) draws it
 runs the same command. The spec (preset, ``--set``, data, space, sampler, pruner, the
 objective) is stored in the Optuna study and in ``study.json``: a worker that brings another
 one is refused, naming what differs. ``--trials K`` counts the study's trials (another
-worker, or a later run, may raise it).
+worker, or a later run, may raise it). A journal that is missing, empty or holds no search
+while ``study.json`` holds trials is refused: the search's history would be lost.
 
-**Workers** (:func:`run_search`): under the study's lock (:func:`~.engine.study_lock`, held
-for milliseconds) a worker fails stale trials, asks Optuna for a trial, records its point,
-grows ``study.json`` and claims the point (:func:`~.engine.point_claim`), so a running
-trial's point is always claimed by a live worker. Optuna's heartbeat (``fail_stale_trials``)
-needs a database storage; here a running trial whose point's claim is free is one whose
-worker died: it is failed and a retry with the same values is enqueued, which resumes the
-point from its checkpoint (nothing is trained twice). A point that hit an environment error
-(a full disk, other data at the path) is left resumable and retried so by the next worker
-to start; values that another trial already evaluated are not trained again (its result is
-told); a trial whose values another worker is training now is failed, said.
+**Workers**: a search is a point source of the engine's one loop
+(:class:`SearchSource` for :func:`~.engine.run_study`): under the study's lock
+(:func:`~.engine.study_lock`, held for milliseconds) it asks Optuna for a trial, records its
+point, grows ``study.json`` and claims the point, so a running trial's point is always
+claimed by a live worker; the loop trains it and the source tells Optuna the result. The
+point's claim is the one record of which worker lives: a running trial whose point's claim
+the loop can take (its holder is gone, or never took it) is one whose worker died, and the
+journal follows: the trial is failed and a retry with the same values enqueued, which
+resumes the point from its checkpoint (nothing is trained twice). A point that hit an
+environment error (a full disk, other data at the path) is left resumable and retried so by
+the next worker to start; a trial whose point could not be recorded (a full disk at
+``study.json``) is retried too and never counts towards ``--trials``; values that another
+trial already evaluated are not trained again (its result is told); a trial whose values
+another worker is training now is failed, said.
 """
 
 from __future__ import annotations
@@ -48,25 +52,25 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from flarepp.experiments.engine import (DataFingerprints, Point, Study, StudyConflict,
-                                        StudyInterrupted, check_runtime, open_study,
-                                        point_claim, point_state, read_events, record_event,
-                                        resolve_paths, run_dir, set_aside, store_study,
-                                        study_lock, train_point)
-from flarepp.experiments.studies import SWEEP_REPORTS, Range, parse_range, sweep_study
-from flarepp.io import UnreadableFile
+from flarepp.experiments.engine import (Claim, Offer, Outcome, Point, PointState, Study,
+                                        StudyConflict, StudyInterrupted, read_study,
+                                        resolve_paths, study_lock)
+from flarepp.experiments.studies import (SWEEP_REPORTS, Range, open_any_study, parse_range,
+                                         split_values, sweep_study)
+from flarepp.io import UnreadableFile, UnsafeName
 from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
+from flarepp.storage.locks import RunLocked
 from flarepp.storage.rundir import RunDir
+from flarepp.storage.studydir import StudyDir, check_point_name
+from flarepp.tasks import TASKS
+from flarepp.train import get_preset
 from flarepp.train.callbacks import TrainerCallback
 from flarepp.train.checks import apply_overrides
 
-if TYPE_CHECKING:
-    from flarepp.train.tracking import TrackSettings
-
-JOURNAL_NAME = "optuna.journal"
+JOURNAL_NAME = StudyDir.JOURNAL
 OPTUNA_STUDY = "flarepp"
 SPEC_ATTR = "flarepp_search"
 EXTRA = "search"
@@ -89,25 +93,22 @@ SAMPLERS: Registry[Callable[[int], Any]] = Registry("sampler")
 PRUNERS: Registry[Callable[[int], Any]] = Registry("pruner")
 
 
-@SAMPLERS.register("tpe", doc="Tree-structured Parzen estimator after the startup trials")
-def _tpe(startup: int):
-    # constant liar (Optuna's default): running trials count as bad, so workers spread out
-    return require_optuna().samplers.TPESampler(n_startup_trials=startup)
+def _optuna_part(build: Callable[[Any, int], Any]) -> Callable[[int], Any]:
+    """``startup -> build(optuna, startup)``: a sampler or pruner, Optuna imported on use."""
+    return lambda startup: build(require_optuna(), startup)
 
 
-@SAMPLERS.register("random", doc="independent uniform draws")
-def _random(startup: int):
-    return require_optuna().samplers.RandomSampler()
-
-
-@PRUNERS.register("median", doc="worse than the completed trials' median at the same epoch")
-def _median(startup: int):
-    return require_optuna().pruners.MedianPruner(n_startup_trials=startup)
-
-
-@PRUNERS.register("none", doc="every trial runs to the end")
-def _no_pruner(startup: int):
-    return require_optuna().pruners.NopPruner()
+for _registry, _name, _doc, _build in (
+        # TPE's constant liar (Optuna's default): running trials count as bad, so workers
+        # spread out
+        (SAMPLERS, "tpe", "Tree-structured Parzen estimator after the startup trials",
+         lambda o, n: o.samplers.TPESampler(n_startup_trials=n)),
+        (SAMPLERS, "random", "independent uniform draws",
+         lambda o, n: o.samplers.RandomSampler()),
+        (PRUNERS, "median", "worse than the completed trials' median at the same epoch",
+         lambda o, n: o.pruners.MedianPruner(n_startup_trials=n)),
+        (PRUNERS, "none", "every trial runs to the end", lambda o, n: o.pruners.NopPruner())):
+    _registry.add(_name, _optuna_part(_build), doc=_doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +136,6 @@ class SearchSpec:
     direction: str = field(init=False)
 
     def __post_init__(self) -> None:
-        from flarepp.tasks import TASKS
         SAMPLERS.entry(self.sampler)
         PRUNERS.entry(self.pruner)
         if self.startup_trials < 0:
@@ -154,11 +154,15 @@ class SearchSpec:
         object.__setattr__(self, "metric", f"{split}_{task.headline}")
         object.__setattr__(self, "direction",
                            "minimize" if task.lower_is_better else "maximize")
+        self._check_axes(base)
+
+    def _check_axes(self, base: RunConfig) -> None:
+        """Every axis's values (a range's ends) make a config, before anything trains."""
         axes = self.axes()
         if all(not isinstance(a, Range) and len(a) == 1 for _, a in axes):
             raise ValueError("the search space has no axis to search: give a range "
                              "(KEY=LOW:HIGH) or more than one value (KEY=V1,V2)")
-        for key, axis in axes:  # every value's config is checked before anything trains
+        for key, axis in axes:
             kind = int if isinstance(axis, Range) and axis.integer else float
             ends = [kind(axis.low), kind(axis.high)] if isinstance(axis, Range) else axis
             read = {}
@@ -171,13 +175,11 @@ class SearchSpec:
                                      "the same config; give each value once")
 
     def base(self) -> RunConfig:
-        from flarepp.train import get_preset
         base = get_preset(self.preset, list(self.sets))
         return base if self.data is None else dataclasses.replace(base, data_root=self.data)
 
     def axes(self) -> list[tuple[str, Axis]]:
         """Each axis as a :class:`Range` or a tuple of values."""
-        from flarepp.experiments.studies import split_values
         out: list[tuple[str, Axis]] = []
         for key, text in self.space:
             found = parse_range(key, text)
@@ -214,7 +216,6 @@ def search_spec(preset: str, axes: list[tuple[str, list[str]]], *, sets: Sequenc
     """The spec of ``flarepp sweep PRESET --search optuna --grid ...`` (``axes`` as
     :func:`~.studies.parse_axes` returns them); ``data`` (default: the preset's) is resolved
     here, so that workers started in other directories share the spec."""
-    from flarepp.train import get_preset
     space = tuple((key, ",".join(values)) for key, values in axes)
     data = data if data is not None else get_preset(preset, list(sets)).data_root
     return SearchSpec(preset, space, tuple(sets), str(Path(data).expanduser().resolve()),
@@ -259,26 +260,44 @@ def journal_storage(path: Path):
                              ) from None
 
 
+def _stored_search(out: StudyDir) -> Study | None:
+    """The search stored in ``out`` (None: no study yet); another kind of study is refused."""
+    if not out.has_study():
+        return None
+    stored = read_study(out.path)
+    if stored.kind != "search":
+        raise StudyConflict(f"{str(out.path)!r} holds a {stored.kind} study, not a search; "
+                            f"continue it with `{stored.continue_with}` or choose another --out")
+    return stored
+
+
+def _lost_history(journal: Path, stored: Study) -> UnreadableFile:
+    state = ("is missing" if not journal.exists() else "is empty (0 bytes)"
+             if journal.stat().st_size == 0 else "holds no search")
+    return UnreadableFile(
+        f"{journal}: {state}, while {StudyDir.STUDY} beside it holds {len(stored.points)} "
+        "trials' points: starting a new search there would lose the search's history "
+        "(the trials, their values and states); restore the journal (from a backup), or "
+        "start the search in another --out")
+
+
 def open_search(spec: SearchSpec, out_dir: str | Path):
     """The Optuna study of ``out_dir`` (created with ``spec`` if there is none); a directory
-    that holds another spec, or a study that is not a search, is refused (a sentence)."""
+    that holds another spec, a study that is not a search, or a search whose journal was
+    lost (:func:`_lost_history`) is refused (a sentence)."""
     optuna = require_optuna()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with study_lock(out_dir):
-        if (out_dir / "study.json").exists():
-            stored = open_study(out_dir)
-            if stored.kind != "search":
-                raise StudyConflict(f"{str(out_dir)!r} holds a {stored.kind} study, not a "
-                                    f"search; continue it with `{stored.continue_with}` or "
-                                    "choose another --out")
-        storage = journal_storage(out_dir / JOURNAL_NAME)
+    out = StudyDir(out_dir)
+    with study_lock(out.path):
+        stored = _stored_search(out)
+        storage = journal_storage(out.journal_path)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         options = dict(sampler=SAMPLERS.get(spec.sampler)(spec.startup_trials),
                        pruner=PRUNERS.get(spec.pruner)(spec.startup_trials))
         try:
             study = optuna.load_study(study_name=OPTUNA_STUDY, storage=storage, **options)
         except KeyError:
+            if stored is not None:
+                raise _lost_history(out.journal_path, stored) from None
             study = optuna.create_study(study_name=OPTUNA_STUDY, storage=storage,
                                         direction=spec.direction, **options)
         stored_spec = study.user_attrs.get(SPEC_ATTR)
@@ -304,47 +323,6 @@ def counted(trials: Sequence[Any]) -> list[Any]:
     """The trials that count towards ``--trials``: asked, and not replaced by a retry."""
     replaced = superseded(trials)
     return [t for t in trials if t.number not in replaced and t.state != _states().WAITING]
-
-
-def _retry(study: Any, trial: Any, why: str) -> None:
-    study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number,
-                                                        "retry_why": why})
-
-
-def fail_stale_trials(study: Any, out_dir: Path, log: Callable[[str], None]) -> list[int]:
-    """Fail every running trial whose point no live worker claims, enqueueing a retry with
-    its values (the caller holds the study lock); returns their numbers."""
-    from flarepp.storage.rundir import RunLocked
-    stale = []
-    for trial in study.get_trials(deepcopy=False, states=(_states().RUNNING,)):
-        name = trial.user_attrs.get("point")
-        if name is not None:
-            claim = point_claim(out_dir, name)
-            try:
-                claim.acquire()
-            except RunLocked:
-                continue  # its worker is alive
-            claim.release()
-        study.tell(trial.number, state=_states().FAIL)
-        _retry(study, trial, "its worker died")
-        if name is not None:
-            record_event(out_dir, name, "stale", trial=trial.number)
-        log(f"trial {trial.number} ({name or 'no point yet'}): its worker died; failed as "
-            "stale, and a retry with the same values resumes its point")
-        stale.append(trial.number)
-    return stale
-
-
-def _retry_errors(study: Any, log: Callable[[str], None]) -> None:
-    """Enqueue a retry of every failed trial left resumable by an environment error."""
-    trials = study.get_trials(deepcopy=False)
-    replaced = superseded(trials)
-    for trial in trials:
-        if trial.state == _states().FAIL and "error" in trial.user_attrs \
-                and trial.number not in replaced:
-            _retry(study, trial, "an error left it resumable")
-            log(f"trial {trial.number}: retrying its point "
-                f"{trial.user_attrs.get('point')} (it stopped on an error)")
 
 
 def suggest(trial: Any, axes: list[tuple[str, Axis]]) -> dict[str, str]:
@@ -401,147 +379,193 @@ class TrialPruning(TrainerCallback):
 
 
 # ---------------------------------------------------------------------------------------------
-# workers
+# the point source
 
 
-OUTCOMES = ("finished", "pruned", "failed", "error", "reused", "skipped")
+class SearchSource:
+    """Optuna's ask and tell as a point source of the engine's one loop (module docstring):
+    each trial is asked, made a point of the study and claimed under the study's lock, and
+    its outcome told. ``trials``: how many trials the study is to have."""
 
+    def __init__(self, spec: SearchSpec, trials: int) -> None:
+        if trials < 1:
+            raise ValueError(f"--trials must be >= 1, got {trials}")
+        self.spec, self.trials, self.axes = spec, trials, spec.axes()
+        self.optuna: Any = None
+        self.out = StudyDir(".")
+        self.log: Callable[[str], None] = print
+        self._first = True
 
-def run_search(spec: SearchSpec, out_dir: str | Path, trials: int, *,
-               runtime: list[str] | None = None, track: TrackSettings | None = None,
-               log: Callable[[str], None] = print) -> dict[str, list[str]]:
-    """Ask and evaluate trials of the search in ``out_dir`` until it has ``trials`` (module
-    docstring); several processes may run it at once. Returns this process's point names by
-    outcome: ``finished``, ``pruned``, ``failed`` (numerically), ``error`` (left resumable),
-    ``reused`` (values evaluated before) and ``skipped`` (values another worker is
-    training)."""
-    from flarepp.storage.rundir import RunLocked
-    if trials < 1:
-        raise ValueError(f"--trials must be >= 1, got {trials}")
-    check_runtime(runtime)
-    out_dir = Path(out_dir)
-    optuna_study = open_search(spec, out_dir)
-    if not spec.metric.startswith("val_"):
-        print(f"flarepp sweep: the search chooses on {spec.metric}, the test data (no "
-              "validation split): give --set val_fraction=0.2 to choose on validation",
-              file=sys.stderr)
-    axes, fingerprints = spec.axes(), DataFingerprints()
-    done: dict[str, list[str]] = {k: [] for k in OUTCOMES}
-    first = True
-    while True:
-        with study_lock(out_dir):
-            if first:
-                _retry_errors(optuna_study, log)
-                first = False
-            fail_stale_trials(optuna_study, out_dir, log)
-            if len(counted(optuna_study.get_trials(deepcopy=False))) >= trials:
-                break
-            trial = optuna_study.ask()
-            try:
-                point = spec.point(suggest(trial, axes))
-                trial.set_user_attr("point", point.name)
-                study = _add_point(out_dir, spec, point, trials)
-                claim = point_claim(out_dir, point.name)
-                claim.acquire()
-            except RunLocked:
-                trial.set_user_attr("duplicate", True)
-                optuna_study.tell(trial, state=_states().FAIL)
-                log(f"trial {trial.number} {point.name}: another worker is training these "
-                    "values now; failed")
-                done["skipped"].append(point.name)
-                continue
-            except BaseException:  # a conflict, a full disk: nothing to retry
-                optuna_study.tell(trial, state=_states().FAIL)
-                raise
+    def start(self, out: StudyDir, log: Callable[[str], None]) -> None:
+        self.out, self.log = out, log
+        self.optuna = open_search(self.spec, out.path)
+        if not self.spec.metric.startswith("val_"):
+            print(f"flarepp sweep: the search chooses on {self.spec.metric}, the test data (no "
+                  "validation split): give --set val_fraction=0.2 to choose on validation",
+                  file=sys.stderr)
+
+    def next(self, claim: Claim) -> Offer | None:
+        """The next trial, asked and claimed under the study's lock; None once the study has
+        its trials."""
+        with study_lock(self.out.path):
+            if self._first:
+                self._retry_errors()
+                self._first = False
+            self._follow_claims(claim)
+            if len(counted(self.optuna.get_trials(deepcopy=False))) >= self.trials:
+                return None
+            trial = self.optuna.ask()
+            point, study, lease = self._record(trial, claim)
+        return Offer(point, f"trial {trial.number} {point.name}", study, claim=lease,
+                     callbacks=(TrialPruning(trial, self.spec.split, self.spec.metric,
+                                             self.spec.pruner),), ticket=trial)
+
+    def _record(self, trial: Any, claim: Claim) -> tuple[Point, Study, Any]:
+        """The trial's point, added to ``study.json`` and claimed (``None``: another worker
+        holds it; the loop checks it again and says so). A trial whose point could not be
+        recorded (a full disk) is retried, never counted; one that conflicts is failed."""
         try:
-            outcome = _evaluate(optuna_study, trial, study, out_dir, point, spec, runtime,
-                                track, fingerprints, log)
-        except StudyInterrupted:  # checkpointed: a retry of the same values resumes it
-            with study_lock(out_dir):
-                optuna_study.tell(trial, state=_states().FAIL)
-                _retry(optuna_study, trial, "interrupted")
+            point = self.spec.point(suggest(trial, self.axes))
+            trial.set_user_attr("point", point.name)
+            study = _add_point(self.out, self.spec, point, self.trials)
+            try:
+                return point, study, claim(point.name)
+            except RunLocked:  # another worker is training these values now
+                return point, study, None
+        except OSError as err:
+            self._fail(trial, retry=f"its point could not be recorded: {err}")
             raise
-        except BaseException as err:  # a bug or a conflict: retried by the next start
-            trial.set_user_attr("error", f"{type(err).__name__}: {err}")
-            optuna_study.tell(trial, state=_states().FAIL, skip_if_finished=True)
+        except BaseException:  # a conflict: nothing to retry
+            self._fail(trial)
             raise
-        finally:
-            claim.release()
-        done[outcome].append(point.name)
-    return done
+
+    def _follow_claims(self, claim: Claim) -> None:
+        """The journal follows the claims (module docstring): a running trial whose point's
+        claim the loop can take has lost its worker; it is failed and its values retried."""
+        for trial in self.optuna.get_trials(deepcopy=False, states=(_states().RUNNING,)):
+            name, holder = trial.user_attrs.get("point"), None
+            if name is not None:
+                try:
+                    lease = claim(self._journal_point(trial, name))
+                except RunLocked:
+                    continue  # its worker is alive
+                holder = lease.stale
+                lease.release()
+            self._fail(trial, retry="its worker died")
+            if name is not None:
+                self.out.record_event(name, "stale", trial=trial.number, holder=None if
+                                      holder is None else holder.describe())
+            self.log(f"trial {trial.number} ({name or 'no point yet'}): its worker died; "
+                     "failed as stale, and a retry with the same values resumes its point")
+
+    def _journal_point(self, trial: Any, name: Any) -> str:
+        """A point name the journal recorded, refused in a sentence when it is no name of a
+        point (it becomes a path: ``../x`` would lead out of the study)."""
+        try:
+            return check_point_name(name)
+        except UnsafeName as err:
+            raise UnreadableFile(f"{self.out.journal_path}: trial {trial.number} records the "
+                                 f"point {name!r}, which no search writes: {err}; restore "
+                                 "the journal, or start the search in another --out") from None
+
+    def _retry_errors(self) -> None:
+        """Enqueue a retry of every failed trial left resumable by an environment error."""
+        trials = self.optuna.get_trials(deepcopy=False)
+        replaced = superseded(trials)
+        for trial in trials:
+            if trial.state == _states().FAIL and "error" in trial.user_attrs \
+                    and trial.number not in replaced:
+                self._retry(trial, "an error left it resumable")
+                self.log(f"trial {trial.number}: retrying its point "
+                         f"{trial.user_attrs.get('point')} (it stopped on an error)")
+
+    def _retry(self, trial: Any, why: str) -> None:
+        self.optuna.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number,
+                                                                  "retry_why": why})
+
+    def _fail(self, trial: Any, retry: str | None = None) -> None:
+        """Fail ``trial`` unless it is finished (another worker may have judged it stale);
+        with ``retry`` (under the study's lock), enqueue a retry of its values once, saying
+        why."""
+        running = {t.number for t in self.optuna.get_trials(
+            deepcopy=False, states=(_states().RUNNING,))}
+        if trial.number not in running:
+            return
+        self.optuna.tell(trial.number, state=_states().FAIL, skip_if_finished=True)
+        if retry:
+            self._retry(trial, retry)
+
+    def tell(self, offer: Offer, outcome: Outcome) -> str | None:
+        trial, status = offer.ticket, outcome.status
+        if status == "held":
+            trial.set_user_attr("duplicate", True)
+            self._fail(trial)
+            self.log(f"{offer.tag}: another worker is training these values now; failed")
+            return "skipped"
+        if status == "error":
+            trial.set_user_attr("error", outcome.error or "an error")
+            self._fail(trial)
+            return "error"
+        state = outcome.state or PointState(status, error=outcome.error)  # failed, pruned
+        if status == "settled":
+            for step, value in history(self.out.run_path(offer.point.name), self.spec.metric):
+                trial.report(value, step)
+            self.log(f"{offer.tag}: evaluated before ({state.status})")
+        self._tell(trial, state.status, state.metrics, state.error)
+        return "reused" if status == "settled" else status
+
+    def _tell(self, trial: Any, status: str, metrics: dict[str, Any] | None,
+              error: str | None) -> None:
+        """Tell Optuna a point's result: its objective (done), pruned, or failed."""
+        value = (metrics or {}).get(self.spec.metric)
+        if status == "done" and isinstance(value, (int, float)) and math.isfinite(value):
+            self.optuna.tell(trial, float(value))
+        elif status == "pruned":
+            self.optuna.tell(trial, state=_states().PRUNED)
+        else:
+            trial.set_user_attr("failed", error or f"{self.spec.metric} is {value}")
+            self.optuna.tell(trial, state=_states().FAIL)
+
+    def abandon(self, offer: Offer, error: BaseException) -> None:
+        """A stop signal: the trial is failed and retried (its point checkpointed, the retry
+        resumes it); anything else (a bug, a conflict) fails it, retried by the next
+        start."""
+        if isinstance(error, StudyInterrupted):
+            with study_lock(self.out.path):
+                self._fail(offer.ticket, retry="interrupted")
+            return
+        offer.ticket.set_user_attr("error", f"{type(error).__name__}: {error}")
+        self._fail(offer.ticket)
 
 
-def _add_point(out_dir: Path, spec: SearchSpec, point: Point, trials: int) -> Study:
-    """``study.json`` with ``point`` (the caller holds the study lock)."""
-    stored = open_study(out_dir) if (out_dir / "study.json").exists() else None
-    points = list(stored.points) if stored is not None else []
-    same = next((p for p in points if p.name == point.name), None)
-    if same is not None and same.config.identity() != point.config.identity():
-        raise StudyConflict(f"point {point.name} of {str(out_dir)!r} is stored with another "
-                            "config than these values give; choose another --out")
-    study = spec.study(points + ([] if same is not None else [point]), trials, out_dir)
-    if stored is None or same is None or stored.info.get("trials") != trials:
-        store_study(out_dir, study)
+def study_source(out_dir: str | Path, trials: int | None = None) -> Study | SearchSource:
+    """What continues the study of ``out_dir`` (:func:`~.studies.open_any_study`): a search
+    is its own point source (its stored spec, ``trials`` or the stored count), any other
+    study its fixed points; ``trials`` for a study that is no search is refused."""
+    study = open_any_study(out_dir)
+    if study.kind == "search":
+        spec, stored = stored_search(study)
+        return SearchSource(spec, trials or stored)
+    if trials is not None:
+        raise ValueError(f"--trials: {str(out_dir)!r} holds a {study.kind} study, not a "
+                         "search")
     return study
 
 
-def _evaluate(optuna_study: Any, trial: Any, study: Study, out_dir: Path, point: Point,
-              spec: SearchSpec, runtime: list[str] | None, track: TrackSettings | None,
-              fingerprints: DataFingerprints, log: Callable[[str], None]) -> str:
-    """Evaluate one claimed trial: tell its result, training its point unless evaluated."""
-    state_of = _states()
-    tag = f"trial {trial.number} {point.name}"
-    directory = run_dir(out_dir, point)
-    try:
-        now = point_state(out_dir, point, fingerprints)
-    except StudyConflict:
-        raise
-    except Exception as err:  # the data cannot be read: left resumable, as a grid point
-        trial.set_user_attr("error", f"{type(err).__name__}: {err}")
-        optuna_study.tell(trial, state=state_of.FAIL)
-        log(f"{tag}: cannot check its data, left for the next run: {type(err).__name__}: {err}")
-        return "error"
-    if now.status in ("done", "pruned", "failed"):
-        for step, value in history(directory, spec.metric):
-            trial.report(value, step)
-        log(f"{tag}: evaluated before ({now.status})")
-        _tell(optuna_study, trial, now.status, now.metrics, spec.metric, now.error)
-        return "reused"
-    if now.error:
-        log(f"{tag}: not reused: {now.error}")
-    if now.other_data:
-        set_aside(out_dir, point, log, tag)
-    config = apply_overrides(point.config, runtime) if runtime else point.config
-    outcome = train_point(study, out_dir, point, config, log, tag, track=track,
-                          callbacks=[TrialPruning(trial, spec.split, spec.metric,
-                                                     spec.pruner)])
-    if outcome == "error":
-        errors = [e for e in read_events(out_dir)
-                  if e["point"] == point.name and e["event"] == "error"]
-        trial.set_user_attr("error", errors[-1]["error"] if errors else "an error")
-        optuna_study.tell(trial, state=state_of.FAIL)
-        return outcome
-    metrics = point_state(out_dir, point).metrics if outcome == "finished" else None
-    _tell(optuna_study, trial, {"finished": "done"}.get(outcome, outcome), metrics,
-          spec.metric, None)
-    return outcome
+def _add_point(out: StudyDir, spec: SearchSpec, point: Point, trials: int) -> Study:
+    """``study.json`` with ``point`` (the caller holds the study lock)."""
+    stored = read_study(out.path) if out.has_study() else None
+    points = list(stored.points) if stored is not None else []
+    same = next((p for p in points if p.name == point.name), None)
+    if same is not None and same.config.identity() != point.config.identity():
+        raise StudyConflict(f"point {point.name} of {str(out.path)!r} is stored with another "
+                            "config than these values give; choose another --out")
+    study = spec.study(points + ([] if same is not None else [point]), trials, out.path)
+    if stored is None or same is None or stored.info.get("trials") != trials:
+        out.write_study(study)
+    return study
 
 
-def _tell(optuna_study: Any, trial: Any, status: str, metrics: dict[str, Any] | None,
-          metric: str, error: str | None) -> None:
-    """Tell Optuna a point's result: its objective (done), pruned, or failed."""
-    state_of = _states()
-    value = (metrics or {}).get(metric)
-    if status == "done" and isinstance(value, (int, float)) and math.isfinite(value):
-        optuna_study.tell(trial, float(value))
-    elif status == "pruned":
-        optuna_study.tell(trial, state=state_of.PRUNED)
-    else:
-        trial.set_user_attr("failed", error or f"{metric} is {value}")
-        optuna_study.tell(trial, state=state_of.FAIL)
-
-
-__all__ = ["JOURNAL_NAME", "PRUNERS", "SAMPLERS", "SEARCH_REPORTS", "SearchSpec",
-           "TrialPruning", "counted", "fail_stale_trials", "history", "open_search",
-           "run_search", "search_spec", "spec_difference", "stored_search", "superseded",
-           "suggest"]
+__all__ = ["JOURNAL_NAME", "PRUNERS", "SAMPLERS", "SEARCH_REPORTS", "SearchSource",
+           "SearchSpec", "TrialPruning", "counted", "history", "open_search", "search_spec",
+           "spec_difference", "stored_search", "study_source", "suggest"]

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flarepp.experiments.engine import STUDY_NAME, Point, Study, create_study, open_study
+from flarepp.experiments.engine import Point, Study, create_study, open_study
 from flarepp.storage.config import RunConfig
+from flarepp.storage.studydir import StudyDir
 from flarepp.train.checks import apply_overrides
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def pareto_study(base: RunConfig, mixers: Sequence[str], blocks: Sequence[int],
 def open_any_study(out_dir: str | Path) -> Study:
     """The study of ``out_dir``: its ``study.json``, or a sweep or Pareto study an earlier
     flarepp stored as ``sweep.json`` / ``pareto.json``, converted once."""
-    if not (Path(out_dir) / STUDY_NAME).exists():
+    if not StudyDir(out_dir).has_study():
         legacy = legacy_study(out_dir)
         if legacy is not None:
             return create_study(out_dir, legacy)
@@ -337,16 +338,13 @@ def legacy_study(out_dir: str | Path) -> Study | None:
     """The study of a directory an earlier ``flarepp sweep`` (``sweep.json``: base config,
     axes, data) or ``drivaerml pareto`` (``pareto.json``: base, points, data) started, with
     the same point names (its runs are found where they are); None without either."""
-    out_dir = Path(out_dir)
-    for name in ("sweep.json", "pareto.json"):
-        if (out_dir / name).is_file():
-            stored = json.loads((out_dir / name).read_text())
-            break
-    else:
+    found = StudyDir(out_dir).read_earlier_spec()
+    if found is None:
         return None
+    kind, stored = found
     base = dataclasses.replace(RunConfig.from_stored(stored["base"]),
                                data_root=stored["data_root"])
-    if name == "sweep.json":
+    if kind == "sweep":
         axes = [(k, list(v)) for k, v in stored["axes"]]
         points = [Point(n, apply_overrides(base, [f"{k}={v}" for k, v in values]),
                         dict(values)) for n, values in grid_names(axes)]

@@ -39,6 +39,7 @@ from typing import Any, Callable
 from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
 from flarepp.storage.rundir import RunDir
+from flarepp.storage.studydir import StudyDir
 from flarepp.train.callbacks import TrainerCallback
 
 EXTRA = "track"
@@ -238,7 +239,7 @@ class TensorBoardTracker(Tracker):
               study: Path | None, tags: dict[str, str]) -> "TensorBoardTracker":
         if settings.uri is not None:
             return cls(Path(settings.uri) / run_name, run_name, tags)
-        return cls(study / "tensorboard" / run_name if study is not None
+        return cls(StudyDir(study).tensorboard_path(run_name) if study is not None
                    else RunDir(run_dir).tensorboard_dir, run_name, tags)
 
     def start(self, config: RunConfig, run_dir: Path, epoch: int) -> None:

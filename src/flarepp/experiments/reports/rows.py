@@ -28,6 +28,8 @@ import numpy as np
 from flarepp.experiments.engine import (DataFingerprints, PointState, Study, finite,
                                         point_state, read_events)
 from flarepp.experiments.studies import open_any_study
+from flarepp.storage.studydir import StudyDir
+from flarepp.tasks import TASKS
 
 STATUSES = ("done", "failed", "pruned", "pending")
 
@@ -140,7 +142,6 @@ def _parse(text: str, kind: Any) -> Any:
 
 def collect(out_dir: str | Path) -> tuple[Study, list[Row]]:
     """The study of ``out_dir`` and one :class:`Row` per point."""
-    from flarepp.tasks import TASKS
     out_dir = Path(out_dir)
     study = open_any_study(out_dir)
     last_error: dict[str, str | None] = {}
@@ -256,7 +257,7 @@ def aggregate(rows: Sequence[Row], keys: Sequence[str]) -> list[Group]:
 # ---------------------------------------------------------------------------------------------
 # results.csv
 
-RESULTS_NAME = "results.csv"
+RESULTS_NAME = StudyDir.RESULTS
 
 
 def results_header(rows: Sequence[Row], label_keys: Sequence[str]) -> list[str]:
@@ -281,7 +282,7 @@ def read_results(out_dir: str | Path) -> list[Row]:
     labels from the study: what a reader needs without the run directories."""
     out_dir = Path(out_dir)
     labels = {p.name: p.labels for p in open_any_study(out_dir).points}
-    with open(out_dir / RESULTS_NAME, newline="") as f:
+    with open(StudyDir(out_dir).results_path, newline="") as f:
         lines = list(csv.DictReader(f))
     return [Row.from_columns(line, labels[line["point"]]) for line in lines]
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from flarepp.experiments.reports.common import Report, fmt, markdown
+from flarepp.experiments.search import OPTUNA_STUDY, SearchSpec, journal_storage, superseded
 from flarepp.io import UnreadableFile
+from flarepp.storage.studydir import StudyDir
 
 
 def _value(value: Any) -> Any:
@@ -33,7 +35,6 @@ def search_report(rep: Report) -> None:
     info = rep.study.info.get("search")
     if not info:
         return
-    from flarepp.experiments.search import JOURNAL_NAME, SearchSpec, superseded
     spec = SearchSpec.from_dict(info)
     rep.lines += ["", "## Search (Optuna)", ""]
     try:
@@ -42,8 +43,7 @@ def search_report(rep: Report) -> None:
         rep.lines.append("Install the search extra (pip install 'flarepp[search]') to list "
                          "the trials.")
         return
-    from flarepp.experiments.search import OPTUNA_STUDY, journal_storage
-    path = rep.out_dir / JOURNAL_NAME
+    path = StudyDir(rep.out_dir).journal_path
     if not path.is_file():
         rep.lines.append(f"No trials recorded ({path.name} is missing).")
         return

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from flarepp.experiments.reports.common import Report
 from flarepp.experiments.reports.registry import REPORTS
-from flarepp.experiments.reports.rows import RESULTS_NAME, collect, results_text
+from flarepp.experiments.reports.rows import collect, results_text
 from flarepp.experiments.studies import SWEEP_REPORTS
 from flarepp.io import atomic_write_text
+from flarepp.storage.studydir import StudyDir
 
 TITLES = {"sweep": "Sweep", "compare": "Comparison", "lra": "LRA comparison",
           "pareto": "Error against training cost", "search": "Search"}
@@ -29,7 +30,8 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     rep = _run_plugins(out_dir, ["runs"])
     study, rows = rep.study, rep.rows
-    rep.paths.update(csv=out_dir / RESULTS_NAME, markdown=out_dir / "report.md")
+    rep.paths.update(csv=StudyDir(out_dir).results_path,
+                     markdown=StudyDir(out_dir).report_path)
     for name in [n for n in plugins_of(study) if n != "runs"]:
         REPORTS.get(name)(rep)
     atomic_write_text(rep.paths["csv"], results_text(rows, rep.label_keys))
