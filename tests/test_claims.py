@@ -360,3 +360,47 @@ def test_the_command_line_starts_and_trains_where_fcntl_does_not_exist(tmp_path)
                              text=True, timeout=600)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# impossible lease records (issue 41)
+
+
+def test_an_impossible_heartbeat_or_grace_does_not_hold_a_lease_forever(tmp_path, monkeypatch):
+    """Another host's lease whose heartbeat is a year in the future (its age read as 0), or
+    whose recorded grace period is NaN (`age > NaN` is never true), blocked its point
+    forever. The future heartbeat counts from the file's last change and is judged gone one
+    grace period later; a NaN grace gives way to the taker's; the message says which. A
+    failure points to Lease.judge trusting an impossible record."""
+    monkeypatch.setenv(HOST_ENV, "b")
+    path = tmp_path / ".lock"
+    _record(path, _holder("a", grace_s=0.2), heartbeat_age_s=-365 * 86400)
+    with pytest.raises(RunLocked, match="on host 'a'.*in the future, impossible"):
+        Lease(path).acquire()
+    time.sleep(0.4)
+    with Lease(path) as lease:
+        assert lease.stale is not None and lease.stale.host == "a"
+    _record(path, _holder("a", grace_s=float("nan")), heartbeat_age_s=70)
+    with Lease(path, grace_s=60.0) as lease:
+        assert lease.stale is not None and lease.stale.host == "a"
+    _record(path, _holder("a", grace_s=float("inf")), heartbeat_age_s=10)
+    with pytest.raises(RunLocked, match="grace period inf is impossible: 60 s counts"):
+        Lease(path, grace_s=60.0).acquire()
+
+
+def test_a_point_held_by_another_host_is_left_naming_its_holder(tmp_path, monkeypatch):
+    """`sweep` left a point held by another process as "1 held by other processes" without
+    naming the holder: the loop's line names it (pid, host, command) and why it is kept. A
+    failure points to a RunLocked swallowed by the claim loop."""
+    out = tmp_path / "sw"
+    study = sweep_study("npz", parse_axes(["seed=0"]), data=str(_npz(tmp_path / "d.npz")),
+                        sets=TINY)
+    create_study(out, study)
+    monkeypatch.setenv(HOST_ENV, "b")
+    _record(out / "claims" / "seed-0" / ".lock", _holder("a", grace_s=300.0),
+            heartbeat_age_s=5)
+    said = []
+    done = run_study(study, out, log=said.append)
+    assert done["skipped"] == ["seed-0"] and not (out / "runs").exists()
+    assert any(line.startswith("[1/1] seed-0: left to its holder") and "on host 'a'" in line
+               and "last heartbeat 5 s ago" in line for line in said), said

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -201,3 +202,65 @@ def test_a_launcher_that_cannot_start_is_a_sentence(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith("flarepp sweep: error: ") and said in err and err.count("\n") == 1
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# what a launch may be asked (issue 41)
+
+
+@pytest.mark.parametrize("option, said", [
+    (["--partition", "gpu\n#SBATCH --nodelist=victim"],
+     "--partition 'gpu\\n#SBATCH --nodelist=victim' holds a line break"),
+    (["--sbatch", "constraint=a100\n#SBATCH --exclusive"], "--sbatch 'constraint=a100\\n"),
+    (["--sbatch", "array=0-99"], "the launcher writes #SBATCH --array itself; give --workers"),
+    (["--sbatch", "time=10"], "#SBATCH --time itself; give --time instead"),
+    (["--sbatch", "output=/tmp/x"], "#SBATCH --output itself (one task per node"),
+])
+def test_a_launch_option_that_would_rewrite_the_job_script_is_refused(tmp_path, capsys,
+                                                                      option, said):
+    """A newline in --partition or --sbatch became a line of its own in the SLURM job script
+    (any #SBATCH option, or a shell line after it); `--sbatch array=...` silently replaced
+    the launcher's job array (its --workers). Each is one sentence (exit 2) before anything
+    is written or submitted. A failure points to LaunchSpec passing text into the script."""
+    out = tmp_path / "sw"
+    assert main(_argv(tmp_path / "d.npz", out, "--grid", "seed=0", "--launcher", "slurm",
+                      "--time", "60", *option)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flarepp sweep: error: ") and said in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+class _FakeLocalExecutor:
+    """submitit's local executor, recording what it would start instead of starting it."""
+
+    started: list = []
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def update_parameters(self, **options):
+        self.options = options
+
+    def submit(self, worker):
+        self.started.append(worker)
+        return types.SimpleNamespace(job_id=str(len(self.started)), result=lambda: None,
+                                     done=lambda: True)
+
+
+def test_local_workers_are_capped_by_the_open_points_and_the_cores(tmp_path, monkeypatch,
+                                                                   capsys):
+    """`--launcher local --workers 6` on a one-point study started six torch processes, five
+    of which found nothing to do: as many workers start as the study has open points (and
+    this machine usable cores), and the launch says so. A failure points to launch() using
+    --workers as given."""
+    from flarepp.experiments import launch as launching
+    monkeypatch.setattr(_FakeLocalExecutor, "started", [])
+    monkeypatch.setattr(launching, "_submitit",
+                        lambda: types.SimpleNamespace(LocalExecutor=_FakeLocalExecutor))
+    out = tmp_path / "sw"
+    assert main(_argv(tmp_path / "d.npz", out, "--grid", "seed=0", "--launcher", "local",
+                      "--workers", "6")) == 1  # the fake workers leave the point pending
+    assert len(_FakeLocalExecutor.started) == 1
+    said = capsys.readouterr().out
+    assert "starting 1 of the 6 workers asked: the study has 1 open point(s)" in said
+    assert "started 1 local worker(s)" in said

@@ -211,3 +211,79 @@ def test_a_worker_killed_mid_trial_leaves_its_point_resumable(tmp_path, darcy_di
     assert trials[1].user_attrs["retry_of"] == 0 and trials[1].params == trials[0].params
     assert len(counted(trials)) == 3
     assert json.loads((out / "study.json").read_text())["info"]["trials"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# a journal or a disk that is not what it should be (issue 41)
+
+
+def _search_dir(tmp_path, out):
+    """A search's directory as a worker leaves it after recording one trial's point."""
+    from flarepp.experiments.engine import store_study
+    spec = _spec(tmp_path)
+    study = open_search(spec, out)
+    store_study(out, spec.study([spec.point({"lr": "3e-3", "seed": "1"})], 2, out))
+    return study
+
+
+def test_a_journal_point_outside_the_study_is_refused(tmp_path, capsys):
+    """A journal trial whose point is `../../../x` made `sweep --out` create that directory
+    above the study (its claim was taken to judge the trial's worker): the journal is named
+    in one sentence (exit 1) and nothing is made outside the study. A failure points to a
+    journal name that becomes a path without flarepp.io.confined."""
+    out = tmp_path / "a" / "b" / "s"
+    trial = _search_dir(tmp_path, out).ask()
+    trial.set_user_attr("point", "../../../x")
+    assert main(["sweep", "--out", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out / 'optuna.journal'}: trial 0 records the point '../../../x'" in err
+    assert err.count("\n") == 1 and not (tmp_path / "a" / "x").exists()
+
+
+@pytest.mark.parametrize("journal", [b"", None])
+def test_an_empty_or_missing_journal_beside_trials_is_refused(tmp_path, capsys, journal):
+    """A 0-byte (or deleted) `optuna.journal` beside a study.json that holds trials was taken
+    for a new search: the history was gone and trials trained again. It is refused in one
+    sentence (exit 1) naming the journal, which is left as it is. A failure points to
+    open_search creating a study where one was lost."""
+    out = tmp_path / "s"
+    _search_dir(tmp_path, out)
+    journal_path = out / "optuna.journal"
+    if journal is None:
+        journal_path.unlink()
+    else:
+        journal_path.write_bytes(journal)
+    assert main(["sweep", "--out", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    state = "is missing" if journal is None else "is empty (0 bytes)"
+    assert f"{journal_path}: {state}, while study.json beside it holds 1 trials' points" in err
+    assert (not journal_path.exists()) if journal is None else journal_path.read_bytes() == b""
+    assert not (out / "runs").exists()
+
+
+def test_a_trial_whose_point_cannot_be_recorded_is_retried_not_counted(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A full disk at the write of study.json failed the trial just asked, which then counted
+    towards --trials (a 2-trial search ended with one trained). The trial is failed with a
+    retry of its values enqueued, so it does not count; the sentence names the file (exit
+    1). A failure points to the search's bookkeeping of a trial that never started."""
+    import errno
+    real_replace = os.replace
+
+    def full(src, dst, *args, **kwargs):
+        if str(dst).endswith("study.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", full)
+    out = tmp_path / "s"
+    assert main(["sweep", "darcy-tiny", "--data", str(tmp_path), "--out", str(out),
+                 "--search", "optuna", "--trials", "2", "--grid", *BAD_LR, *_sets(TINY),
+                 "--quiet"]) == 1
+    assert f"{out / 'study.json'}: No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(os, "replace", real_replace)
+    trials = open_search(_spec(tmp_path), out).get_trials()
+    assert counted(trials) == []
+    assert [t.state.name for t in trials] == ["FAIL", "WAITING"]
+    assert trials[1].user_attrs["retry_of"] == 0
+    assert "could not be recorded" in trials[1].user_attrs["retry_why"]

@@ -5,9 +5,11 @@ regenerated at a study's path, a corrupt newest checkpoint, ``plot`` of a run ho
 another run's checkpoint, ``data make`` counts beyond any disk. Each is a sentence naming
 the file or value (exit 1 runtime, 2 usage), never a traceback, a hang or a wrong number."""
 
+import ast
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import types
@@ -25,6 +27,9 @@ from flarepp.experiments.studies import parse_axes, sweep_study
 from flarepp.io import UnreadableFile
 from flarepp.storage.locks import Lease, RunLocked
 from flarepp.storage.rundir import RunDir
+from flarepp.storage.studydir import Point, Study, StudyDir
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "flarepp"
 
 TINY = ["epochs=2", "checkpoint_every=1", "model.dim=8", "model.heads=2", "model.latents=4",
         "batch_size=4", "pct_start=0.3", "device=cpu", "keep_checkpoints=None"]
@@ -315,6 +320,113 @@ def test_data_make_counts_beyond_any_disk_or_memory_are_a_sentence(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("flarepp data: error: ") and said in err and err.count("\n") == 1
     assert not out.exists() or not any(out.rglob("*.npy")) and not any(out.rglob("*.vtp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# one owner of a study's files
+
+HOMONYMS = {"runs": "the report plug-in that lists every point",
+            "tensorboard": "a tracker and its package", "launch": "a function",
+            "superseded": "the event of a run set aside"}
+"""Study folder names that are also the names of other things: for these a literal counts
+only where it is a path part (``/runs/``), never alone."""
+
+
+def study_file_patterns() -> list[tuple[re.Pattern, bool]]:
+    """``(pattern, whole)`` per name :class:`StudyDir` declares: a file name (``study.json``)
+    matches a word of a literal ending in it, after a ``/`` or alone; a folder (``claims``)
+    a whole literal (``whole``; not for :data:`HOMONYMS`) or a path part after a ``/``."""
+    patterns = []
+    for key, value in vars(StudyDir).items():
+        if not key.isupper():
+            continue
+        for name in value.values() if isinstance(value, dict) else [value]:
+            if "." in name:
+                patterns.append((re.compile(r"(^|/)" + re.escape(name) + r"$"), False))
+                continue
+            if name not in HOMONYMS:
+                patterns.append((re.compile(r"^" + re.escape(name) + r"$"), True))
+            patterns.append((re.compile(r"/" + re.escape(name) + r"(/|$)"), False))
+    return patterns
+
+
+def _prose(tree: ast.AST) -> set[int]:
+    """String constants that are not paths: docstrings, ``__all__`` entries (names of
+    Python objects) and text with white space (a help text or message naming a file for its
+    reader)."""
+    found = {id(node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
+                                                for t in node.targets):
+            found |= {id(c) for c in ast.walk(node.value)}
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and re.search(r"\s", node.value):
+            found.add(id(node))
+    return found
+
+
+def study_name_hits(path: Path, root: Path = SRC) -> list[str]:
+    """``module:line: literal`` for every literal of ``path`` that names a study file."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip, patterns = _prose(tree), study_file_patterns()
+    return [f"{path.relative_to(root.parent)}:{node.lineno}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in skip
+            and any(p.search(node.value) if whole else any(p.search(w) for w in node.value.split())
+                    for p, whole in patterns)]
+
+
+def test_no_study_file_name_outside_its_owner():
+    """Every literal of the package that names a file or folder StudyDir declares
+    (study.json, claims, events, optuna.journal, .study.lock, ...) is in
+    storage/studydir.py. A failure names the module and line: use the StudyDir method (a
+    second place that spells a study's layout is a second place to change with it)."""
+    assert len(study_file_patterns()) > 15
+    owner = SRC / "storage" / "studydir.py"
+    hits = [hit for path in sorted(SRC.rglob("*.py")) if path != owner
+            for hit in study_name_hits(path)]
+    assert not hits, "study-file names outside StudyDir:\n  " + "\n  ".join(hits)
+
+
+def test_the_study_scan_finds_a_planted_name(tmp_path):
+    """The scan itself sees study names in a plain literal, an f-string's piece and a path
+    part, and not in a docstring, a message or ``__all__`` (so the test above cannot pass by
+    reading nothing)."""
+    planted = tmp_path / "flarepp" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text('"""Reads study.json."""\nA = "study.json"\nB = f"{out}/claims/{p}"\n'
+                       'C = "claims"\nD = "see optuna.journal"\n__all__ = ["launch"]\n'
+                       'E = f"{x}/runs/{y}"\nF = "runs"\n')
+    hits = study_name_hits(planted, tmp_path / "flarepp")
+    assert sorted(int(h.split(":")[1]) for h in hits) == [2, 3, 4, 7]
+
+
+def test_study_dir_confines_point_names_and_reads_configs_as_stored(tmp_path):
+    """A point name that would leave the study (``../x``, ``/x``, a link planted under
+    ``runs/``) is refused by every StudyDir path of a point, and ``study.json``'s configs are
+    read as stored (``RunConfig.from_stored``): a version-2 config without ``eval_weights``
+    reads ``ema``, as its runs trained, where ``from_dict`` would give today's ``raw``."""
+    from flarepp.io import UnsafeName
+    out = StudyDir(tmp_path / "sw")
+    (out.path / "runs").mkdir(parents=True)
+    (out.path / "runs" / "link").symlink_to(tmp_path)
+    for name in ("../x", "/x", "a/../../x", "link/x"):
+        for where in (out.run_path, out.claim, out.tensorboard_path, out.set_aside):
+            if name != "link/x" or where in (out.run_path, out.set_aside):  # under runs/
+                with pytest.raises(UnsafeName, match="point name"):
+                    where(name)
+    assert not (tmp_path / "x").exists()
+    study = _study(tmp_path)
+    stored = study.to_dict()
+    for p in stored["points"]:
+        p["config"]["config_version"] = 2
+        del p["config"]["eval_weights"]
+    out.study_path.write_text(json.dumps(stored))
+    assert {p.config.eval_weights for p in out.read_study().points} == {"ema"}
+    assert isinstance(out.read_study().points[0], Point) and out.read_study().kind == "sweep"
+    assert Study.from_stored(stored).identity() == out.read_study().identity()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -271,9 +271,7 @@ def _stored_search(out: StudyDir) -> Study | None:
     return stored
 
 
-def _lost_history(journal: Path, stored: Study) -> UnreadableFile:
-    state = ("is missing" if not journal.exists() else "is empty (0 bytes)"
-             if journal.stat().st_size == 0 else "holds no search")
+def _lost_history(journal: Path, stored: Study, state: str) -> UnreadableFile:
     return UnreadableFile(
         f"{journal}: {state}, while {StudyDir.STUDY} beside it holds {len(stored.points)} "
         "trials' points: starting a new search there would lose the search's history "
@@ -284,12 +282,17 @@ def _lost_history(journal: Path, stored: Study) -> UnreadableFile:
 def open_search(spec: SearchSpec, out_dir: str | Path):
     """The Optuna study of ``out_dir`` (created with ``spec`` if there is none); a directory
     that holds another spec, a study that is not a search, or a search whose journal was
-    lost (:func:`_lost_history`) is refused (a sentence)."""
+    lost (missing, emptied or overwritten: :func:`_lost_history`) is refused (a
+    sentence)."""
     optuna = require_optuna()
     out = StudyDir(out_dir)
     with study_lock(out.path):
         stored = _stored_search(out)
-        storage = journal_storage(out.journal_path)
+        journal = out.journal_path
+        if stored is not None and (not journal.exists() or journal.stat().st_size == 0):
+            raise _lost_history(journal, stored, "is missing" if not journal.exists()
+                                else "is empty (0 bytes)")
+        storage = journal_storage(journal)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         options = dict(sampler=SAMPLERS.get(spec.sampler)(spec.startup_trials),
                        pruner=PRUNERS.get(spec.pruner)(spec.startup_trials))
@@ -297,7 +300,7 @@ def open_search(spec: SearchSpec, out_dir: str | Path):
             study = optuna.load_study(study_name=OPTUNA_STUDY, storage=storage, **options)
         except KeyError:
             if stored is not None:
-                raise _lost_history(out.journal_path, stored) from None
+                raise _lost_history(journal, stored, "holds no search") from None
             study = optuna.create_study(study_name=OPTUNA_STUDY, storage=storage,
                                         direction=spec.direction, **options)
         stored_spec = study.user_attrs.get(SPEC_ATTR)

@@ -17,7 +17,10 @@ on Windows. A :class:`Lease` relies on none of it:
   its process is alive on this host, however old its heartbeat (a suspended or busy process
   keeps what it holds); and, for a holder on another host, whose pids mean nothing here,
   when its heartbeat is older than its grace period. Hosts' clocks must agree to well within
-  that period (NTP does).
+  that period (NTP does). An impossible record never holds a lease forever: a recorded grace
+  period that is NaN, infinite or not above 0 is replaced by the judge's own, and a heartbeat
+  further in the future than the grace period is read from the file's last change (its
+  ctime) instead.
 * **Taking over** a gone holder's lease happens under a takeover guard, ``<lease>.takeover``,
   itself an ``O_EXCL`` file held for milliseconds: its holder reads the lease file again,
   removes it only if it is still the one judged gone (same inode and token), gives the guard
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -308,11 +312,10 @@ class Lease:
             holder = LockHolder.parse(os.read(fd, 65536).decode("utf-8", "replace"))
         finally:
             os.close(fd)
-        # a record's heartbeat is its mtime; a file not yet holding a record may still carry
-        # an NFSv3 exclusive create's verifier as its mtime, so the server-set ctime counts
-        beat = st.st_mtime if holder is not None else max(st.st_mtime, st.st_ctime)
-        age = max(0.0, time.time() - beat)
-        grace = holder.grace_s if holder is not None and holder.grace_s else self.grace_s
+        grace, note = self._grace_of(holder)
+        age, beat_note = self._heartbeat_age(st, holder, grace)
+        note = "; ".join(n for n in (note, beat_note) if n)
+        note = f" ({note})" if note else ""
         alive = holder.alive_here() if holder is not None else None
         if alive is True:
             return Verdict(holder, age, False, "its process is alive on this host", st.st_ino)
@@ -320,10 +323,40 @@ class Lease:
             return Verdict(holder, age, True, "its process no longer exists", st.st_ino)
         if age > grace:
             return Verdict(holder, age, True, f"no heartbeat for {age:.0f} s (its grace "
-                                              f"period is {grace:.0f} s)", st.st_ino)
+                                              f"period is {grace:.0f} s){note}", st.st_ino)
         return Verdict(holder, age, False, f"last heartbeat {age:.0f} s ago; another host "
-                                           f"takes it over after {grace:.0f} s without one",
-                       st.st_ino)
+                                           f"takes it over after {grace:.0f} s without "
+                                           f"one{note}", st.st_ino)
+
+    def _grace_of(self, holder: LockHolder | None) -> tuple[float, str]:
+        """The grace period a holder is judged by: the one it recorded, or this lease's
+        where it recorded none or an impossible one (NaN, infinite, not above 0: it would
+        keep its lease forever), said."""
+        recorded = holder.grace_s if holder is not None else None
+        if recorded is None:
+            return self.grace_s, ""
+        if math.isfinite(recorded) and recorded > 0:
+            return recorded, ""
+        return self.grace_s, (f"its recorded grace period {recorded} is impossible: "
+                              f"{self.grace_s:.0f} s counts")
+
+    @staticmethod
+    def _heartbeat_age(st: os.stat_result, holder: LockHolder | None,
+                       grace: float) -> tuple[float, str]:
+        """Seconds since the lease file's heartbeat, and a note where its time is
+        impossible. A record's heartbeat is its mtime; a file not yet holding a record may
+        still carry an NFSv3 exclusive create's verifier as its mtime, so the server-set
+        ctime counts. A heartbeat further in the future than the grace period is impossible
+        (hosts' clocks agree to well within it, and a heartbeat sets the filesystem's time):
+        the file's last change, its ctime, counts instead, so such a lease is judged gone
+        one grace period after it was last written."""
+        now = time.time()
+        beat = st.st_mtime if holder is not None else max(st.st_mtime, st.st_ctime)
+        if beat > now + grace:
+            return max(0.0, now - st.st_ctime), (f"its heartbeat is {beat - now:.0f} s in the "
+                                                 "future, impossible: the file's last change "
+                                                 "counts")
+        return max(0.0, now - beat), ""
 
     def take_over_from(self, gone: LockHolder) -> bool:
         """Remove the lease file if it is held by ``gone``'s process (judged gone through
