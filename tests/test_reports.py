@@ -182,3 +182,38 @@ def test_growth_reads_epochs_to_target_and_the_loss_around_each_growth(tmp_path)
         assert (f"| '4,8@2' | {r.seed} | 4 -> 8 (epoch 3) | {expect[0]} | {expect[1]} |"
                 in text)
     assert paths["growth"].stat().st_size > 0
+
+
+def test_paired_compares_any_axis_and_the_runs_of_two_studies(tmp_path, capsys):
+    """`sweep report DIR --pair preset=A,B` pairs the runs of two presets by seed (what
+    scripts/preset_margin.py did), and `--against OTHER` the runs of two studies of one grid
+    (what scripts/before_after.py did: the same sweep by earlier code), each difference
+    B - A per (setting, seed, draw) against the values read here. A failure means the
+    paired plug-in compares mixers only, or pairs runs of different settings."""
+    from flarepp.cli import main
+    study = fake_studies(tmp_path / "a", ("rollout",))["rollout"]
+    done = {(r.get("preset"), r.get("seed")): r.value for r in collect(study)[1]
+            if r.status == "done"}
+    assert main(["sweep", "report", str(study), "--pair",
+                 "preset=rollout-tiny,rollout-tiny-adaln"]) == 0
+    (line,) = csv.DictReader(open(study / "paired.csv"))
+    diffs = [done["rollout-tiny-adaln", s] - done["rollout-tiny", s] for s in ("0", "1")]
+    assert (line["A"], line["B"], int(line["pairs"])) == ("rollout-tiny", "rollout-tiny-adaln", 2)
+    assert float(line["mean"]) == pytest.approx(np.mean(diffs))
+    assert "## Values of `preset` compared, paired by seed" in (study / "report.md").read_text()
+    later = fake_studies(tmp_path / "b", ("rollout",))["rollout"]
+    for run in later.glob("runs/*/metrics.json"):  # the "after" runs: 1.5 times the error
+        metrics = json.loads(run.read_text())
+        run.write_text(json.dumps({k: v * 1.5 if k.startswith("test_") else v
+                                   for k, v in metrics.items()}))
+    capsys.readouterr()
+    assert main(["sweep", "report", str(later), "--against", str(study)]) == 0
+    said = capsys.readouterr().out
+    table = {line["preset"]: line for line in csv.DictReader(
+        open(later / f"paired-{study.name}.csv"))}
+    for preset in ("rollout-tiny", "rollout-tiny-adaln"):
+        line = table[preset]
+        assert (line["A"], line["B"]) == (str(study), str(later))  # both named "rollout"
+        assert float(line["mean"]) == pytest.approx(
+            np.mean([0.5 * done[preset, s] for s in ("0", "1")]))
+    assert "## Values of `study` compared" in said and not (later / "report.md").exists()

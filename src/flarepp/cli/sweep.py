@@ -87,16 +87,43 @@ def _plan(args: argparse.Namespace) -> int:
     return status
 
 
+def _pair(text: str | None) -> tuple[str, list[str] | None] | None:
+    """``--pair KEY`` or ``KEY=A,B``: the axis the ``paired`` plug-in compares (A first)."""
+    if text is None:
+        return None
+    key, sep, values = text.partition("=")
+    arms = [v.strip() for v in values.split(",")] if sep else None
+    if not key.strip() or (arms is not None and (len(arms) < 2 or not all(arms))):
+        raise CLIError(f"--pair expects KEY or KEY=A,B (two values or more), got {text!r}")
+    return key.strip(), arms
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``flarepp sweep report DIR [--pair KEY[=A,B]] [--against OTHER]``."""
+    if not args.directory:
+        raise CLIError("usage: flarepp sweep report DIR")
+    pair = _pair(args.pair)
+    if args.against:
+        rep = reports.paired_against(args.directory, args.against, pair)
+        if "paired" not in rep.paths:
+            raise CLIError(f"--against: {args.directory} and {args.against} share no "
+                           "(setting, seed, data draw) to compare")
+        print("\n".join(rep.lines + ["", str(rep.paths["paired"])]))
+        return 0
+    options = {"pair": pair} if pair else {}
+    print("\n".join(str(p) for p in reports.write_report(args.directory, options).values()))
+    return 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
     if args.plan:
         return _plan(args)
     if args.only:
         raise CLIError("--only names studies of a --plan FILE")
     if args.preset == "report":
-        if not args.directory:
-            raise CLIError("usage: flarepp sweep report DIR")
-        print("\n".join(str(p) for p in reports.write_report(args.directory).values()))
-        return 0
+        return _report(args)
+    if args.pair or args.against:
+        raise CLIError("--pair and --against ask `flarepp sweep report DIR` for a comparison")
     if args.directory:
         raise CLIError(f"unexpected argument {args.directory!r} (a sweep takes PRESET "
                        "--grid ... --out DIR; a report: flarepp sweep report DIR)")
@@ -163,6 +190,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", action="store_true",
                    help="write the report when this process is done")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    for option, metavar, text in (
+            ("--pair", "KEY[=A,B]", "the axis the paired comparison compares (default the "
+             "mixers; e.g. preset, model for wirings, KEY=A,B for two values, A the "
+             "reference), runs paired by seed and data draw"),
+            ("--against", "OTHER", "the paired comparison of DIR's runs against those of the "
+             "study OTHER (e.g. the same sweep by earlier code), printed")):
+        p.add_argument(option, metavar=metavar, help=f"with report: {text}")
     p.add_argument("--search", choices=["optuna"],
                    help="sample the --grid space adaptively (Optuna; pip install "
                         "'flarepp[search]'): each trial is a point of the study")

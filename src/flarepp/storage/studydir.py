@@ -153,32 +153,15 @@ class StudyDir:
         return f"StudyDir({str(self.path)!r})"
 
     # -- names ---------------------------------------------------------------------------
-    @property
-    def study_path(self) -> Path:
-        return self.path / self.STUDY
+    study_path = property(lambda self: self.path / self.STUDY)
+    journal_path = property(lambda self: self.path / self.JOURNAL)
+    launch_dir = property(lambda self: self.path / self.LAUNCH, doc="the launchers' files")
+    events_dir = property(lambda self: self.path / self.EVENTS)
+    report_path = property(lambda self: self.path / self.REPORT)
+    results_path = property(lambda self: self.path / self.RESULTS)
 
     def has_study(self) -> bool:
         return self.study_path.exists()
-
-    @property
-    def journal_path(self) -> Path:
-        return self.path / self.JOURNAL
-
-    @property
-    def launch_dir(self) -> Path:
-        return self.path / self.LAUNCH
-
-    @property
-    def events_dir(self) -> Path:
-        return self.path / self.EVENTS
-
-    @property
-    def report_path(self) -> Path:
-        return self.path / self.REPORT
-
-    @property
-    def results_path(self) -> Path:
-        return self.path / self.RESULTS
 
     def _confined(self, folder: str, name: str) -> Path:
         check_point_name(name)

@@ -10,16 +10,18 @@
   ``growth`` of the latent budget), :mod:`.tables` (``table1`` = Table 1, ``lra`` = Table
   12), :mod:`.cost` (``cost`` = Figure 5);
 * :mod:`.registry` -- :data:`REPORTS`, every plug-in listed by name in one place;
-* :mod:`.writing` -- :func:`write_report` (``results.csv``, ``report.md``) and
-  :func:`report_sections` (a few plug-ins alone, for a page of several studies).
+* :mod:`.writing` -- :func:`write_report` (``results.csv``, ``report.md``; its options, e.g.
+  the axis ``paired`` compares), :func:`report_sections` (a few plug-ins alone, for a page
+  of several studies) and :func:`paired_against` (the ``paired`` section over two studies'
+  runs).
 """
 
 from flarepp.experiments.reports.rows import (Group, Row, aggregate, collect, did_not_fit,
                                               read_results, status_counts, training_hours)
 from flarepp.experiments.reports.common import Report, fmt, markdown, spread
 from flarepp.experiments.reports.registry import REPORTS
-from flarepp.experiments.reports.writing import report_sections, write_report
+from flarepp.experiments.reports.writing import paired_against, report_sections, write_report
 
 __all__ = ["Group", "REPORTS", "Report", "Row", "aggregate", "collect", "did_not_fit", "fmt",
-           "markdown", "read_results", "report_sections", "spread", "status_counts",
+           "markdown", "paired_against", "read_results", "report_sections", "spread", "status_counts",
            "training_hours", "write_report"]

@@ -15,13 +15,16 @@ from flarepp.experiments.reports.rows import Row
 @dataclass
 class Report:
     """What a plug-in sees and adds to: the study, its rows, its directory, the Markdown
-    lines of ``report.md`` and the paths written."""
+    lines of ``report.md`` and the paths written; ``options`` are what the report was asked
+    (``flarepp sweep report --pair``: the axis ``paired`` compares; ``labels``: labels the
+    rows carry beyond the study's, e.g. ``study`` for the runs of two studies)."""
 
     study: Study
     rows: list[Row]
     out_dir: Path
     lines: list[str] = field(default_factory=list)
     paths: dict[str, Path] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def done(self) -> list[Row]:
@@ -29,7 +32,7 @@ class Report:
 
     @property
     def label_keys(self) -> list[str]:
-        return list(self.study.points[0].labels)
+        return [*self.study.points[0].labels, *self.options.get("labels", ())]
 
     def metric_name(self) -> str:
         return "/".join(sorted({r.metric for r in self.rows}))

@@ -135,9 +135,15 @@ def growth_report(rep: Report) -> None:
     done = [r for r in rep.done if r.point in milestones]
     logs = {r.point: _log(run_dir(rep.out_dir, r.point), r.metric) for r in done}
     keys, groups = _groups(rep, done)
-    lower = all(r.lower_is_better for r in done)
-    means = [g.stats()[0] for g in groups]
-    best = min(means) if lower else max(means)
+    _growth_figure(rep, groups, logs, milestones)
+    _growth_targets(rep, keys, groups, logs)
+    _growth_losses(rep, done, logs, milestones)
+    rep.lines += ["", f"![rank growth]({rep.paths['growth'].name})"]
+
+
+def _growth_figure(rep: Report, groups: list, logs: dict, milestones: dict) -> None:
+    """``growth.png``: each run's logged test metric against epochs and training seconds,
+    and its loss per step with the growths marked."""
     plt = figure_module()
     fig, (by_epoch, by_time, losses) = plt.subplots(1, 3, figsize=(15, 4),
                                                     constrained_layout=True)
@@ -155,11 +161,19 @@ def growth_report(rep: Report) -> None:
     for ax, label in ((by_epoch, "epoch"), (by_time, "training seconds"),
                       (losses, "optimizer step")):
         ax.set_xlabel(label), ax.grid(alpha=.3), ax.legend(fontsize=7)
-    metric = rep.metric_name()
-    by_epoch.set_ylabel(f"test {metric} (logged)"), losses.set_ylabel("training loss per step")
+    by_epoch.set_ylabel(f"test {rep.metric_name()} (logged)")
+    losses.set_ylabel("training loss per step")
     rep.paths["growth"] = rep.out_dir / "growth.png"
     fig.savefig(rep.paths["growth"], dpi=110)
     plt.close(fig)
+
+
+def _growth_targets(rep: Report, keys: list[str], groups: list, logs: dict) -> None:
+    """The table of epochs (seconds) each run took to come within each target of the best
+    group's mean."""
+    lower = all(r.lower_is_better for g in groups for r in g.rows)
+    means = [g.stats()[0] for g in groups]
+    best = min(means) if lower else max(means)
 
     def reached(r: Row, target: float) -> str:
         log = logs[r.point]
@@ -169,6 +183,7 @@ def growth_report(rep: Report) -> None:
     body = [[*g.key.values(), len(g.rows), spread(*g.stats()[:2]),
              *[", ".join(reached(r, t * best) for r in g.rows) for t in GROWTH_THRESHOLDS]]
             for g in groups]
+    metric = rep.metric_name()
     rep.lines += ["", "## Rank growth against fixed latent budgets", "",
                   f"Test `{metric}`: mean ± sample std over seeds. Epochs (training seconds) "
                   "each run, seed by seed, took until its logged test metric came within "
@@ -176,6 +191,11 @@ def growth_report(rep: Report) -> None:
                   f"({fmt(best)}); `-`: not within the run.", ""]
     rep.lines += markdown([*keys, "seeds", f"test {metric}",
                            *[f"epochs (s) to x{t}" for t in GROWTH_THRESHOLDS]], body)
+
+
+def _growth_losses(rep: Report, done: list[Row], logs: dict, milestones: dict) -> None:
+    """The training loss around each growth, beside the run of the same seed that keeps the
+    initial M."""
     body = []
     for r in done:
         start = milestones[r.point][0][1]
@@ -193,7 +213,6 @@ def growth_report(rep: Report) -> None:
                   ""]
     rep.lines += markdown([GROWTH_AXIS, "seed", "growth", "grown run", "fixed initial M"],
                           body)
-    rep.lines += ["", f"![rank growth]({rep.paths['growth'].name})"]
 
 
 __all__ = ["GROWTH_THRESHOLDS", "growth_report", "rollout_report"]

@@ -11,11 +11,15 @@ mixer gets its own setting). The best such mean wins, among the settings every r
 finished. The test metric is shown beside it and never enters the choice; without a
 validation metric there is no choice, and the report says why.
 
-``paired`` compares mixers on equal terms: per setting, each mixer's mean ± sample std of
-the test metric, then for each mixer B against A (FLARE by default; FLARE++ first) the
-differences ``value(B) - value(A)`` of the runs that share a seed and a draw, their mean,
-sample std, count and the 95% interval ``mean ± t(0.975, n - 1) std / sqrt(n)``. An
-interval that holds 0 is written out as "not significant at 95%".
+``paired`` compares the values of one axis on equal terms -- the mixers by default, or any
+label (``flarepp sweep report DIR --pair preset``, ``--pair model`` for wirings given as
+whole models, ``--pair KEY=A,B`` for two values with A the reference, ``--against OTHER``
+for the runs of two studies, labelled ``study``): per setting (the other labels, and the
+mixer where it varies within a value of the compared axis), each value's mean ± sample std
+of the test metric, then for each value B against A (FLARE by default for mixers, FLARE++
+first; else the first value) the differences ``value(B) - value(A)`` of the runs that share
+a seed and a draw, their mean, sample std, count and the 95% interval ``mean ± t(0.975, n -
+1) std / sqrt(n)``. An interval that holds 0 is written out as "not significant at 95%".
 
 ``length`` shows the trend with training length where the grid has an ``epochs`` axis: per
 setting (every other one), each mixer's test metric against epochs, mean ± sample std over
@@ -52,10 +56,12 @@ def settings_of(rep: Report) -> list[str]:
     return [k for k in rep.label_keys if k not in NOT_SETTINGS]
 
 
-def mixers_in(rows: Sequence[Row]) -> list[str]:
-    """The rows' mixers, :data:`MIXER_ORDER` first, then as first seen."""
-    seen = list(dict.fromkeys(r.get("mixer") for r in rows))
-    return [m for m in MIXER_ORDER if m in seen] + [m for m in seen if m not in MIXER_ORDER]
+def mixers_in(rows: Sequence[Row], key: str = "mixer") -> list[Any]:
+    """The rows' values of ``key`` (their mixers by default, :data:`MIXER_ORDER` first),
+    then as first seen."""
+    seen = list(dict.fromkeys(r.get(key) for r in rows))
+    first = MIXER_ORDER if key == "mixer" else ()
+    return [m for m in first if m in seen] + [m for m in seen if m not in first]
 
 
 def _setting(row: Row, settings: Sequence[str]) -> tuple:
@@ -69,10 +75,11 @@ def _stats(rows: Sequence[Row], value: str) -> tuple[float, float, int]:
 
 
 def _count(rows: Sequence[Row], setting: tuple, settings: Sequence[str],
-           mixer: str | None = None) -> dict[str, int]:
-    """Runs of ``setting`` (and ``mixer``): all, finished, failed, not fitted."""
+           mixer: Any = None, key: str = "mixer") -> dict[str, int]:
+    """Runs of ``setting`` (and of ``mixer``, the value of ``key``): all, finished, failed,
+    not fitted."""
     mine = [r for r in rows if _setting(r, settings) == setting
-            and (mixer is None or r.get("mixer") == mixer)]
+            and (mixer is None or r.get(key) == mixer)]
     return {"runs": len(mine), "done": sum(r.status == "done" for r in mine),
             "failed": sum(r.status == "failed" for r in mine),
             "did_not_fit": sum(r.did_not_fit is True for r in mine)}
@@ -183,13 +190,14 @@ def selection_report(rep: Report) -> None:
 # paired differences
 
 
-def paired_differences(rows: Sequence[Row], a: str, b: str,
-                       value: str = "value") -> np.ndarray:
-    """``value(b) - value(a)`` of the finished runs of mixers ``b`` and ``a`` that share a
-    seed and a data draw, in the order of ``b``'s runs."""
-    def by_pair(mixer: str) -> dict[tuple, float]:
+def paired_differences(rows: Sequence[Row], a: Any, b: Any, value: str = "value",
+                       key: str = "mixer") -> np.ndarray:
+    """``value(b) - value(a)`` of the finished runs whose ``key`` (the mixer by default, any
+    label: a preset, a wiring, a study) is ``b`` and ``a`` and that share a seed and a data
+    draw, in the order of ``b``'s runs."""
+    def by_pair(arm: Any) -> dict[tuple, float]:
         return {(r.get("seed"), r.get("data_root")): r.get(value) for r in rows
-                if r.get("mixer") == mixer and r.status == "done" and finite(r.get(value))}
+                if r.get(key) == arm and r.status == "done" and finite(r.get(value))}
     first, second = by_pair(a), by_pair(b)
     return np.asarray([v - first[k] for k, v in second.items() if k in first], float)
 
@@ -216,55 +224,91 @@ def verdict(stats: dict[str, float], a: str, b: str, lower_is_better: bool = Tru
     return f"{b} {'better' if better else 'worse'} than {a} at 95%"
 
 
-def paired_report(rep: Report) -> None:
-    """Per mixer mean ± std; paired differences of mixers (module docstring)."""
-    settings = settings_of(rep)
-    rows = rep.rows
-    groups = {}
-    for r in rows:
-        groups.setdefault(_setting(r, settings), []).append(r)
+PAIR = "pair"
+"""The report option (:attr:`Report.options`) naming the axis ``paired`` compares:
+``(key, values or None)``; without it, the mixers."""
+
+
+def _pairing(rep: Report) -> tuple[str, list[str], dict[tuple, list[Row]], list[tuple]]:
+    """The compared key, the setting keys (every other label, and the mixer where it varies
+    within a value of another compared key: not where a preset chooses it), the rows per
+    setting, and ``(setting, A, B)`` per comparison."""
+    key, chosen = rep.options.get(PAIR) or ("mixer", None)
+    mixers: dict[Any, set] = {}
+    for r in rep.rows:
+        mixers.setdefault(r.get(key), set()).add(r.get("mixer"))
+    by_mixer = key != "mixer" and any(len(m) > 1 for m in mixers.values())
+    settings = [k for k in ["mixer"] * by_mixer + settings_of(rep) if k != key]
+    groups: dict[tuple, list[Row]] = {}
+    for r in rep.rows:
+        if chosen is None or str(r.get(key)) in chosen:
+            groups.setdefault(_setting(r, settings), []).append(r)
     comparisons = []
     for setting, mine in groups.items():
-        mixers = mixers_in(mine)
-        if len(mixers) < 2:
+        arms = mixers_in(mine, key)
+        if chosen is not None:
+            arms = sorted(arms, key=lambda arm: chosen.index(str(arm)))
+        if len(arms) < 2:
             continue
-        a = mixers[0] if "flare" not in mixers else "flare"
-        comparisons += [(setting, a, b) for b in mixers if b != a]
+        a = "flare" if key == "mixer" and chosen is None and "flare" in arms else arms[0]
+        comparisons += [(setting, a, b) for b in arms if b != a]
+    return key, settings, groups, comparisons
+
+
+def paired_report(rep: Report) -> None:
+    """Per value mean ± std; paired differences of the compared axis (module docstring)."""
+    key, settings, groups, comparisons = _pairing(rep)
     if not comparisons:
         return
-    metric = rep.metric_name()
-    lower = all(r.lower_is_better for r in rows)
+    rows = [r for mine in groups.values() for r in mine]
     draws = len({r.get("data_root") for r in rows})
     seeds = len({r.get("seed") for r in rows})
-    rep.lines += ["", "## Mixers compared, paired by seed and data draw", "",
-                  f"Test `{metric}` of the weights each run names, over {seeds} seed(s) x "
-                  f"{draws} data draw(s): mean ± sample std of the finished runs. Runs that "
-                  "did not fit their training data (training metric no better than the best "
-                  "constant predictor's) are counted and kept in the means; failed runs "
-                  "(non-finite loss) are counted and have no value.", ""]
+    title = "Mixers" if key == "mixer" else f"Values of `{key}`"
+    rep.lines += ["", f"## {title} compared, paired by seed and data draw", "",
+                  f"Test `{rep.metric_name()}` of the weights each run names, over {seeds} "
+                  f"seed(s) x {draws} data draw(s): mean ± sample std of the finished runs. "
+                  "Runs that did not fit their training data (training metric no better than "
+                  "the best constant predictor's) are counted and kept in the means; failed "
+                  "runs (non-finite loss) are counted and have no value.", ""]
+    _paired_means(rep, groups, settings, key)
+    _paired_differences(rep, comparisons, groups, settings, key)
+
+
+def _paired_means(rep: Report, groups: dict[tuple, list[Row]], settings: list[str],
+                  key: str) -> None:
+    """Each value's test and train mean ± std per setting; the runs not fitted or failed."""
     body = []
     for setting, mine in groups.items():
-        for mixer in mixers_in(mine):
-            runs = [r for r in mine if r.get("mixer") == mixer]
+        for arm in mixers_in(mine, key):
+            runs = [r for r in mine if r.get(key) == arm]
             test, train = _stats(runs, "value"), _stats(runs, "train_value")
-            count = _count(mine, setting, settings, mixer)
-            body.append([*setting, mixer, f"{count['done']}/{count['runs']}",
+            count = _count(mine, setting, settings, arm, key)
+            body.append([*setting, arm, f"{count['done']}/{count['runs']}",
                          spread(*test[:2]), spread(*train[:2]), count["did_not_fit"],
                          count["failed"]])
-    rep.lines += markdown([*settings, "mixer", "finished", "test", "train", "did not fit",
+    rep.lines += markdown([*settings, key, "finished", "test", "train", "did not fit",
                            "failed"], body)
+    rows = [r for mine in groups.values() for r in mine]
     for what, names in (("did not fit their training data", [
             r.point for r in rows if r.did_not_fit is True]),
                         ("failed", [r.point for r in rows if r.status == "failed"])):
         if names:
             rep.lines += ["", f"{len(names)} of {len(rows)} runs {what}: {', '.join(names)}."]
+
+
+def _paired_differences(rep: Report, comparisons: list[tuple], groups: dict[tuple, list[Row]],
+                        settings: list[str], key: str) -> None:
+    """The table of ``B - A`` per comparison with its interval and verdict, its CSV, and a
+    sentence for each difference not significant at 95%."""
+    metric = rep.metric_name()
+    lower = all(r.lower_is_better for mine in groups.values() for r in mine)
     rep.lines += ["", f"Paired differences `{metric}`(B) - `{metric}`(A) over the (seed, "
                       "draw) pairs where both finished; 95% interval "
                       "mean ± t(0.975, n - 1) std / sqrt(n).", ""]
     body, table, sentences = [], [[*settings, "A", "B", "pairs", "mean", "std", "low",
                                     "high", "verdict"]], []
     for setting, a, b in comparisons:
-        stats = interval(paired_differences(groups[setting], a, b))
+        stats = interval(paired_differences(groups[setting], a, b, key=key))
         said = verdict(stats, a, b, lower)
         body.append([*setting, f"{b} - {a}", stats["n"], fmt(stats["mean"]),
                      fmt(stats["std"]), f"[{fmt(stats['low'])}, {fmt(stats['high'])}]",
@@ -280,7 +324,7 @@ def paired_report(rep: Report) -> None:
                            "verdict"], body)
     if sentences:
         rep.lines += [""] + sentences
-    rep.paths["paired"] = rep.out_dir / "paired.csv"
+    rep.paths["paired"] = rep.out_dir / rep.options.get("paired_file", "paired.csv")
     atomic_write_text(rep.paths["paired"], csv_text(table))
 
 
@@ -304,10 +348,29 @@ def length_report(rep: Report) -> None:
     panels: dict[tuple, list[Row]] = {}
     for r in rep.rows:
         panels.setdefault(_setting(r, panel_keys), []).append(r)
-    both = any(finite(r.value_raw) and finite(r.value_ema) for r in done)
+    body, table = _length_figure(rep, panels, panel_keys, lengths)
+    metric = rep.metric_name()
+    rep.paths["length_csv"] = rep.out_dir / "length.csv"
+    atomic_write_text(rep.paths["length_csv"], csv_text(table))
+    rep.lines += ["", "## The metric against training length", "",
+                  f"Test `{metric}`: mean ± sample std over seeds and data draws of the finished "
+                  "runs at each length (each a whole one-cycle schedule of that many epochs; "
+                  "the headline of the weights each run names, then the raw and the EMA "
+                  "weights where stored). Runs that did not fit their training data are counted "
+                  "and kept.", ""]
+    rep.lines += markdown([*panel_keys, "mixer", LENGTH, "finished", "test", "raw", "EMA",
+                           "did not fit", "failed"], body)
+    rep.lines += ["", f"![test {metric} against epochs]({rep.paths['length'].name})"]
+
+
+def _length_figure(rep: Report, panels: dict[tuple, list[Row]], panel_keys: list[str],
+                   lengths: list[int]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """``length.png``, a panel per setting of the other labels: each mixer's test metric
+    against epochs, raw and EMA where the runs stored both; returns the Markdown and CSV
+    rows of every (panel, mixer, length)."""
+    both = any(finite(r.value_raw) and finite(r.value_ema) for r in rep.done)
     curves = [("value_raw", "raw", "-"), ("value_ema", "EMA", "--")] if both else \
         [("value", "", "-")]
-    metric = rep.metric_name()
     body, table = [], [[*panel_keys, "mixer", LENGTH, "runs", "finished", "test_mean",
                         "test_std", "raw_mean", "raw_std", "ema_mean", "ema_std",
                         "did_not_fit", "failed"]]
@@ -329,15 +392,7 @@ def length_report(rep: Report) -> None:
                                 yerr=[0.0 if math.isnan(s) else s for s in std],
                                 color=f"C{i}", linestyle=style, marker="o", capsize=3,
                                 label=f"{mixer} {what}".strip())
-            for n in lengths:
-                at = [r for r in runs if r.get(LENGTH) == n]
-                test, raw, ema = (_stats(at, f) for f in ("value", "value_raw", "value_ema"))
-                failed = sum(r.status == "failed" for r in at)
-                unfit = sum(r.did_not_fit is True for r in at)
-                body.append([*panel, mixer, n, f"{test[2]}/{len(at)}", spread(*test[:2]),
-                             spread(*raw[:2]), spread(*ema[:2]), unfit, failed])
-                table.append([*panel, mixer, n, len(at), test[2], test[0], test[1], raw[0],
-                              raw[1], ema[0], ema[1], unfit, failed])
+            _length_rows(runs, panel, mixer, lengths, body, table)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_xlabel("epochs")
@@ -345,23 +400,27 @@ def length_report(rep: Report) -> None:
                      fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(f"test {metric}")
+    axes[0][0].set_ylabel(f"test {rep.metric_name()}")
     fig.tight_layout()
     rep.paths["length"] = rep.out_dir / "length.png"
     fig.savefig(rep.paths["length"], dpi=120)
     plt.close(fig)
-    rep.paths["length_csv"] = rep.out_dir / "length.csv"
-    atomic_write_text(rep.paths["length_csv"], csv_text(table))
-    rep.lines += ["", "## The metric against training length", "",
-                  f"Test `{metric}`: mean ± sample std over seeds and data draws of the finished "
-                  "runs at each length (each a whole one-cycle schedule of that many epochs; "
-                  "the headline of the weights each run names, then the raw and the EMA "
-                  "weights where stored). Runs that did not fit their training data are counted "
-                  "and kept.", ""]
-    rep.lines += markdown([*panel_keys, "mixer", LENGTH, "finished", "test", "raw", "EMA",
-                           "did not fit", "failed"], body)
-    rep.lines += ["", f"![test {metric} against epochs]({rep.paths['length'].name})"]
+    return body, table
 
 
-__all__ = ["LENGTH", "NOT_SETTINGS", "choose_setting", "interval", "paired_differences",
+def _length_rows(runs: list[Row], panel: tuple, mixer: str, lengths: list[int],
+                 body: list[list[Any]], table: list[list[Any]]) -> None:
+    """A Markdown and a CSV row per length of one mixer's ``runs``."""
+    for n in lengths:
+        at = [r for r in runs if r.get(LENGTH) == n]
+        test, raw, ema = (_stats(at, f) for f in ("value", "value_raw", "value_ema"))
+        failed = sum(r.status == "failed" for r in at)
+        unfit = sum(r.did_not_fit is True for r in at)
+        body.append([*panel, mixer, n, f"{test[2]}/{len(at)}", spread(*test[:2]),
+                     spread(*raw[:2]), spread(*ema[:2]), unfit, failed])
+        table.append([*panel, mixer, n, len(at), test[2], test[0], test[1], raw[0],
+                      raw[1], ema[0], ema[1], unfit, failed])
+
+
+__all__ = ["LENGTH", "NOT_SETTINGS", "PAIR", "choose_setting", "interval", "paired_differences",
            "length_report", "paired_report", "selection_report", "settings_of", "verdict"]
