@@ -21,10 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
+from flarepp.data import load_dataset
+from flarepp.data.generators import how_to_get
+from flarepp.experiments.comparison import COMPARISON_MODELS, comparison_model_kwargs
 from flarepp.experiments.engine import Point, Study, create_study, open_study
+from flarepp.mixers import MIXERS
 from flarepp.storage.config import RunConfig
 from flarepp.storage.studydir import StudyDir
+from flarepp.tasks.sequence import load_sequence_data
+from flarepp.train import get_preset
 from flarepp.train.checks import apply_overrides
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
+from flarepp.train.presets import lra_run_config
 
 # ---------------------------------------------------------------------------------------------
 # the grid of a sweep
@@ -138,7 +148,6 @@ def sweep_study(preset: str, axes: list[tuple[str, list[str]]], *,
     """A point per grid point: ``preset`` (or the point's ``preset`` axis value) with
     ``sets``, then ``data`` as its ``data_root``, then the point's axis values (so a
     ``data_root`` axis wins over ``data``). Every config is checked here."""
-    from flarepp.train import get_preset
     if not axes:
         raise ValueError("give --grid KEY=V1,V2 ... (e.g. --grid seed=0,1,2)")
     for key, values in axes:
@@ -180,9 +189,6 @@ def compare_study(models: list[str], datasets: list[str], *, epochs: int | None 
     """Table 1: each model on each dataset's preset (``DATASET-tiny`` or the paper's), its
     Table 1 keywords (:mod:`.comparison`), each seed. ``data_root`` holds one directory per
     dataset (default: each preset's ``data_root``); ``epochs`` wins over ``overrides``."""
-    from flarepp.data import load_dataset
-    from flarepp.experiments.comparison import COMPARISON_MODELS, comparison_model_kwargs
-    from flarepp.train import get_preset
     for name in models:
         COMPARISON_MODELS.entry(name)  # unknown names fail before any data is read
     if seeds <= 0:
@@ -192,7 +198,6 @@ def compare_study(models: list[str], datasets: list[str], *, epochs: int | None 
         base = get_preset(preset_name(dataset, scale), overrides)
         root = Path(data_root) / dataset if data_root is not None else Path(base.data_root)
         if not root.exists():
-            from flarepp.data.generators import how_to_get
             raise FileNotFoundError(
                 f"data for {dataset!r} not found at {str(root)!r}; "
                 f"{how_to_get(base.dataset, str(root))}, or pass --data-root")
@@ -224,7 +229,6 @@ def lra_point_config(task: str, mixer: str, seed: int, size: str, *, steps: int 
 
     The steps are counted in batches of the final ``batch_size`` (an overridden one too);
     an ``epochs`` override wins over the steps."""
-    from flarepp.train.presets import lra_run_config
     options = dict(steps=steps, split_limits=split_limits, train_samples=train_samples,
                    data_root=data_root)
     overrides = [*(overrides or []), f"seed={seed}"]
@@ -240,11 +244,6 @@ def lra_study(tasks: list[str], mixers: list[str], *, seeds: int = 3, size: str 
     """Table 12: tasks x mixers x seeds, seed-major (a complete one-seed table exists
     early). Each task's data is read here once: its training-split size sets the epochs
     of a step budget, and its chance level (1/K) and majority-class share are stated."""
-    import numpy as np
-
-    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
-    from flarepp.mixers import MIXERS
-    from flarepp.tasks.sequence import load_sequence_data
     for task in tasks:
         LRA_BENCHMARKS.entry(task)
     for mixer in mixers:

@@ -26,6 +26,7 @@ import numpy as np
 from flarepp.experiments.engine import run_dir
 from flarepp.experiments.reports.common import Report, figure_module, fmt, markdown
 from flarepp.experiments.reports.rows import aggregate
+from flarepp.paper import FIGURE5_CLAIMS
 from flarepp.storage.rundir import RunDir
 
 MIXER_LABELS = {"flare": "FLARE", "flarepp": "FLARE++", "abupt": "AB-UPT"}
@@ -153,7 +154,6 @@ def cost_error_figure(configs: list[dict[str, Any]], front: list[int], path: Pat
 def cost_report(rep: Report) -> None:
     """Figure 5: the metric against training cost, the Pareto front, FLARE++ over FLARE at
     matched (B, M)."""
-    from flarepp.paper import FIGURE5_CLAIMS
     configs = configurations(rep)
     unit = device_kind(configs[0]["device"]) if configs else "CPU"
     metric = rep.metric_name()

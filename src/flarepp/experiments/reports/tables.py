@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from flarepp.experiments.comparison import COMPARISON_MODELS, TABLE1_ORDER
 from flarepp.experiments.reports.common import Report, figure_module
 from flarepp.experiments.reports.rows import aggregate, csv_text
 from flarepp.io import atomic_write_text
+from flarepp.mixers.abupt import AnchorAttentionConfig
 
 
 def _summary(rep: Report, row_key: str, col_key: str) -> dict[tuple[Any, Any], dict[str, float]]:
@@ -94,8 +96,6 @@ def _wide(summary, rows: list[str], columns: list[str], first: list[str], label
 
 def table1_report(rep: Report) -> None:
     """Table 1: models x datasets, test relative L2 in %."""
-    from flarepp.experiments.comparison import COMPARISON_MODELS, TABLE1_ORDER
-    from flarepp.mixers.abupt import AnchorAttentionConfig
     summary = _summary(rep, "model", "dataset")
     if not summary:
         return
