@@ -7,7 +7,9 @@ the ``--grid`` space adaptively instead (:mod:`flarepp.experiments.search`). ``f
 --plan FILE`` runs (or joins) every study of a plan file in turn
 (:mod:`flarepp.experiments.plan`), ``flarepp sweep report --plan FILE`` writes their reports
 and the plan's page. ``--launcher local|slurm`` starts workers for a grid
-(:mod:`flarepp.cli.launcher`).
+(:mod:`flarepp.cli.launcher`). ``flarepp sweep report DIR --pair KEY[=A,B]`` has the paired
+comparison compare another axis than the mixers, ``--against OTHER`` the runs of two
+studies (:mod:`flarepp.experiments.reports.stats`).
 """
 
 from __future__ import annotations

@@ -80,11 +80,8 @@ from flarepp.train.loop import TrainingInterrupted
 if TYPE_CHECKING:
     from flarepp.train.tracking import TrackSettings
 
-STUDY_NAME = StudyDir.STUDY
 STUDY_LOCK_WAIT_S = 60.0  # the study's lock is held for milliseconds by a live holder
 FAILED_NAME = RunDir.FAILED
-PRUNED_NAME = RunDir.PRUNED
-COST_NAME = RunDir.COST
 
 
 class StudyConflict(ValueError):
@@ -225,11 +222,6 @@ def read_events(out_dir: str | Path, **options: Any) -> list[dict[str, Any]]:
 def run_dir(out_dir: str | Path, point: Point | str) -> Path:
     """``runs/<point>`` of the study in ``out_dir`` (:meth:`StudyDir.run_path`)."""
     return StudyDir(out_dir).run_path(point if isinstance(point, str) else point.name)
-
-
-def point_claim(out_dir: str | Path, name: str, *, grace_s: float = GRACE_S) -> Lease:
-    """The claim of point ``name`` (:meth:`StudyDir.claim`)."""
-    return StudyDir(out_dir).claim(name, grace_s=grace_s)
 
 
 @dataclass
@@ -662,11 +654,11 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-__all__ = ["COST_NAME", "Claim", "DataFingerprints", "FAILED_NAME", "GridSource", "OUTCOMES",
-           "Offer", "Outcome", "PRUNED_NAME", "Point", "PointSource", "PointState",
-           "PointWork", "STUDY_NAME", "Study", "StudyConflict", "StudyInterrupted",
-           "check_point_name", "check_runtime", "continue_command", "create_study",
-           "environment_errors", "events_file", "open_study", "point_claim", "point_state",
+__all__ = ["Claim", "DataFingerprints", "FAILED_NAME", "GridSource", "OUTCOMES", "Offer",
+           "Outcome", "Point", "PointSource", "PointState", "PointWork", "Study",
+           "StudyConflict", "StudyInterrupted", "check_point_name", "check_runtime",
+           "continue_command", "create_study", "environment_errors", "events_file",
+           "open_study", "point_state",
            "read_events", "read_failure", "read_study", "record_event", "resolve_paths",
            "run_dir", "run_study", "same_point_names", "set_aside", "store_study",
            "study_lock", "time_epoch", "train_point"]
