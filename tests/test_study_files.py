@@ -111,7 +111,7 @@ def test_a_hand_edited_study_json_is_a_sentence_naming_it(tmp_path, capsys, edit
     """`"points": "x"`, no `"kind"`, a cut file (the JSON parser's words, exit 2, no file),
     a point name `../../x` (a run directory made outside the study): `sweep --out` and
     `sweep report` exit 1 naming study.json and what is wrong, before anything is written.
-    A failure points to Study.from_dict reached without engine.read_study."""
+    A failure points to Study.from_stored reached without StudyDir.read_study."""
     out = tmp_path / "sw"
     create_study(out, _study(tmp_path))
     path = out / "study.json"
