@@ -153,6 +153,34 @@ def test_conditions_from_a_table_by_case_name_or_stem(tmp_path):
     assert store.samples["case_1"]["conditions"] == [6.0]
 
 
+def test_a_new_mesh_gets_the_inputs_its_store_was_converted_with(tmp_path):
+    """``mesh_inputs`` of a case file and the store's layout gives exactly the stored sample's
+    inputs and conditions (cell centres, volumes and a scaled array; a scaled condition from
+    field data), conditions given by name in stored units win over the file's, and a
+    condition the run lacks, or a layout of in-memory inputs, is refused by name. A failure
+    points to a new mesh predicted from inputs other than those the model trained on."""
+    from flarepp.data.convert import mesh_inputs
+    from flarepp.data.layout import plain_layout
+    source = tmp_path / "src"
+    for i in range(3):
+        write_vtu(source, f"case_{i}", seed=i)
+    spec = parse_spec({"association": "cell", "geometry": ["coordinates", "volumes"],
+                       "inputs": [{"array": "U", "name": "velocity", "scale": 2.0}],
+                       "targets": ["p"], "conditions": [{"array": "load", "scale": 10.0}],
+                       "split": {"test": "case_2"}})
+    store = convert(source, tmp_path / "store", spec, progress=False).store
+    test = store.split("test")
+    x, conditions = mesh_inputs(source / "case_2.vtu", store.layout)
+    np.testing.assert_array_equal(x, test.sample(0)[0])
+    assert conditions == store.samples["case_2"]["conditions"] == [35.0]
+    _, given = mesh_inputs(source / "case_2.vtu", store.layout, {"load": 7.0})
+    assert given == [pytest.approx(7.0, rel=1e-15)]
+    with pytest.raises(DataError, match=r"conditions \['speed'\] are not this run's"):
+        mesh_inputs(source / "case_2.vtu", store.layout, {"speed": 1.0})
+    with pytest.raises(SpecError, match="'inputs'.*not read from a mesh array"):
+        mesh_inputs(source / "case_2.vtu", plain_layout(3, ["u"], 2))
+
+
 def test_streaming_statistics_equal_the_in_memory_fit(tmp_path, monkeypatch):
     """The store's statistics, streamed sample by sample in chunks of 7 rows (float64,
     Chan et al.'s pairwise update), equal the whole-array fit of the same values (and

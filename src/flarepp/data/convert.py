@@ -306,6 +306,66 @@ def case_sample(mesh, case: Case, spec: ConversionSpec,
 
 
 # ---------------------------------------------------------------------------------------------
+# a trained run's inputs for a new mesh
+
+def layout_spec(layout: ChannelLayout) -> ConversionSpec:
+    """The spec that builds ``layout``'s inputs and conditions from a mesh (no targets): each
+    input group read back from what :func:`case_sample` recorded, a geometry group by its
+    name and computed source (:data:`GEOMETRY_SOURCE`), any other group from its array,
+    scale and units. A group that was not read from a mesh array (an in-memory dataset's
+    ``inputs``) raises :class:`SpecError` naming it."""
+    geometry: list[str] = []
+    inputs: list[ArraySpec] = []
+    for group in layout.inputs:
+        if GEOMETRY_SOURCE.get(group.name, {}).get(layout.association) == group.source:
+            if inputs:
+                raise SpecError(f"the layout puts geometry {group.name!r} after the arrays "
+                                f"{[a.name for a in inputs]}; a conversion puts geometry first")
+            geometry.append(group.name)
+        elif group.source:
+            inputs.append(ArraySpec(group.source, group.name, group.scale, group.units))
+        else:
+            raise SpecError(f"input channels {', '.join(group.channels)} ({group.name!r}) were "
+                            "not read from a mesh array (a generated or in-memory dataset), "
+                            "so they cannot be built from a mesh")
+    conditions = tuple(ArraySpec(c.source or c.name, c.name, c.scale, c.units)
+                       for c in layout.conditions)
+    return ConversionSpec(targets=(), inputs=tuple(inputs), geometry=tuple(geometry),
+                          association=layout.association, conditions=conditions,
+                          dimensions=layout.dimensions or None)
+
+
+def mesh_inputs(path: str | Path, layout: ChannelLayout,
+                conditions: dict[str, float] | None = None) -> tuple[np.ndarray, list[float]]:
+    """``(x [n, I] float32, conditions [K])`` of the mesh file ``path`` for a run whose
+    inputs are ``layout``'s, built by the same filters that converted its store
+    (:func:`layout_spec`, :func:`case_sample`) and assembled in the layout's group order as a
+    store sample is. ``conditions`` (by the layout's condition names, in its stored units)
+    come before the mesh's field data; a name the layout lacks is a :class:`DataError`."""
+    path = Path(path)
+    spec = layout_spec(layout)
+    fmt = format_of(path)
+    if fmt is None:
+        raise DataError(f"{path.name}: no registered mesh format reads {path.suffix!r} files "
+                        f"(readable suffixes: {', '.join(_suffixes())})")
+    given = dict(conditions or {})
+    unknown = sorted(set(given) - set(layout.condition_names))
+    if unknown:
+        raise DataError(f"conditions {unknown} are not this run's; it takes "
+                        f"{layout.condition_names or 'none'}")
+    by_array = {c.source or c.name: given[c.name] / c.scale for c in layout.conditions
+                if c.name in given}
+    case = Case(path.stem, path, fmt)
+    sample = case_sample(read_mesh(path, fmt), case, spec, {case.name: by_array},
+                         layout.dimensions or None)
+    if sample.layout.input_channels != layout.input_channels:
+        raise DataError(f"{path.name}: its inputs are {sample.layout.input_channels}, the "
+                        f"run's are {layout.input_channels}")
+    x = np.concatenate([sample.arrays[g.name] for g in layout.inputs], axis=1)
+    return x.astype(np.float32), sample.conditions
+
+
+# ---------------------------------------------------------------------------------------------
 # the pipeline
 
 @dataclass
@@ -380,4 +440,4 @@ def _same_layout(first: ChannelLayout, this: ChannelLayout, case: Case) -> None:
 
 
 __all__ = ["Case", "CaseSample", "ConversionReport", "case_sample", "convert", "find_cases",
-           "read_condition_table"]
+           "layout_spec", "mesh_inputs", "read_condition_table"]
