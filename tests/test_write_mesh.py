@@ -5,7 +5,12 @@ no mesh, each with a picture; and the command's refusals. The surface task's car
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,27 +18,21 @@ import pytest
 pv = pytest.importorskip("pyvista")
 pytest.importorskip("skfem")
 
+import flarepp  # noqa: E402
 from flarepp.cli import main  # noqa: E402
+from flarepp.data import DataError  # noqa: E402
+from flarepp.inference.infer import Case, write_on_mesh  # noqa: E402
+from flarepp.io import UnsafeName, is_temporary  # noqa: E402
 from flarepp.data.generators.elasticity import make_elasticity_mesh  # noqa: E402
 from flarepp.data.store import MeshStore  # noqa: E402
-from tiny_runs import tiny_darcy_run  # noqa: E402
-
-TINY = ["--set", "epochs=1", "--set", "model.dim=8", "--set", "model.blocks=1",
-        "--set", "model.latents=4", "--set", "model.heads=2", "--quiet"]
+from tiny_runs import tiny_darcy_run, tiny_store_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def store_run(tmp_path_factory):
     """A store converted from solver VTU files (the load as a condition) and a conditioned
     run on it: ``(cases, store, run)``."""
-    root = tmp_path_factory.mktemp("write-mesh")
-    cases, store, run = root / "cases", root / "store", root / "run"
-    make_elasticity_mesh(cases, n_train=6, n_test=2, progress=False)
-    assert main(["data", "convert", str(cases), "--out", str(store), "--targets", "von_mises",
-                 "--conditions", "load", "--test-pattern", "test/*", "--quiet"]) == 0
-    assert main(["train", "store-conditioned-tiny", "--data", str(store), "--out", str(run),
-                 *TINY]) == 0
-    return cases, store, run
+    return tiny_store_run(tmp_path_factory.mktemp("write-mesh"))
 
 
 @pytest.mark.slow
@@ -46,12 +45,12 @@ def test_store_predictions_land_on_their_source_vtu(store_run, tmp_path, capsys)
     out = tmp_path / "meshes"
     assert main(["infer", str(run), "--data", str(store), "--out", str(tmp_path / "p.npz"),
                  "--write-mesh", str(out)]) == 0
-    assert "wrote " + str(out / "test_case_0000.vtu") in capsys.readouterr().out
+    assert "wrote " + str(out / "test" / "case_0000.vtu") in capsys.readouterr().out
     stored = MeshStore(store)
     test = stored.split("test")
     with np.load(tmp_path / "p.npz") as pred:
         for i, name in enumerate(test.names):
-            mesh = pv.read(out / f"{name.replace('/', '_')}.vtu")
+            mesh = pv.read(out / f"{name}.vtu")
             source = pv.read(cases / f"{name}.vtu")
             assert (mesh.n_points, mesh.n_cells) == (source.n_points, source.n_cells)
             np.testing.assert_array_equal(mesh.points, source.points)
@@ -61,7 +60,7 @@ def test_store_predictions_land_on_their_source_vtu(store_run, tmp_path, capsys)
             np.testing.assert_array_equal(mesh.point_data["true_von_mises"], y[:, 0])
             np.testing.assert_allclose(mesh.point_data["error_von_mises"],
                                        pred[f"pred_{name}"][:, 0] - y[:, 0], atol=1e-6)
-            assert (out / f"{name.replace('/', '_')}.png").stat().st_size > 10_000
+            assert (out / f"{name}.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
@@ -90,7 +89,7 @@ def test_data_without_a_mesh_becomes_point_clouds_and_a_gone_source_is_said(stor
         assert main(["infer", str(run), "--data", str(store), "--out",
                      str(tmp_path / "s.npz"), "--write-mesh", str(tmp_path / "clouds")]) == 0
         assert "the source mesh is gone" in capsys.readouterr().err
-        assert pv.read(tmp_path / "clouds" / "test_case_0000.vtp").n_points > 0
+        assert pv.read(tmp_path / "clouds" / "test" / "case_0000.vtp").n_points > 0
     finally:
         shutil.copytree(moved, cases)
 
@@ -107,5 +106,246 @@ def test_infer_refuses_no_cases_or_a_geometry_for_a_fields_run(store_run, tmp_pa
                  "--out", str(out)]) == 2
     assert main(["infer", str(run), "--geometry", str(tmp_path / "car.stl"),
                  "--out", str(out)]) == 2
-    assert "surface task's inputs" in capsys.readouterr().err
+    assert "a surface's cell centres and normals" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a new mesh from the command line (issue 39 item 1)
+
+@pytest.mark.slow
+def test_a_new_mesh_is_built_as_the_store_was_and_written_onto_itself(store_run, tmp_path):
+    """``infer RUN --mesh new.vtu --condition load=1.7 --write-mesh DIR`` on a mesh the
+    store never held writes DIR/new.vtu: the new mesh itself (its points and cells) with
+    ``pred_von_mises`` equal to ``flarepp.load(run).predict`` of its points and that load
+    (1e-6); a folder of meshes with a condition table gives each mesh its row; without a
+    condition the mesh's own field data is read, as the conversion read it. A failure
+    points to inputs built otherwise than the store's, or conditions lost on the way."""
+    _, _, run = store_run
+    new = tmp_path / "new"
+    make_elasticity_mesh(new, n_train=1, n_test=1, seed=11, progress=False)
+    mesh_file = new / "test" / "case_0000.vtu"
+    source = pv.read(mesh_file)
+    out = tmp_path / "meshes"
+    assert main(["infer", str(run), "--mesh", str(mesh_file), "--condition", "load=1.7",
+                 "--out", str(tmp_path / "p.npz"), "--write-mesh", str(out)]) == 0
+    written = pv.read(out / "case_0000.vtu")
+    assert (written.n_points, written.n_cells) == (source.n_points, source.n_cells)
+    np.testing.assert_array_equal(written.points, source.points)
+    predictor = flarepp.load(run, device="cpu")
+
+    def expected(mesh, load):
+        return predictor.predict(np.asarray(mesh.points)[:, :2], conditions={"load": load})
+
+    want = expected(source, 1.7)
+    np.testing.assert_allclose(written.point_data["pred_von_mises"], want[:, 0],
+                               rtol=1e-6, atol=1e-6)
+    with np.load(tmp_path / "p.npz") as pred:
+        np.testing.assert_allclose(pred["pred_case_0000"], want, rtol=1e-6, atol=1e-6)
+    table = tmp_path / "loads.csv"
+    table.write_text("case,load\ntest/case_0000,0.8\ntrain/case_0000,2.2\n")
+    assert main(["infer", str(run), "--mesh", str(new), "--conditions", str(table),
+                 "--out", str(tmp_path / "folder.npz")]) == 0
+    with np.load(tmp_path / "folder.npz") as pred:
+        assert sorted(str(c) for c in pred["cases"]) == ["test/case_0000", "train/case_0000"]
+        for name, load in (("test/case_0000", 0.8), ("train/case_0000", 2.2)):
+            np.testing.assert_allclose(pred[f"pred_{name}"],
+                                       expected(pv.read(new / f"{name}.vtu"), load),
+                                       rtol=1e-6, atol=1e-6)
+    assert main(["infer", str(run), "--mesh", str(mesh_file), "--out",
+                 str(tmp_path / "own.npz")]) == 0
+    with np.load(tmp_path / "own.npz") as pred:
+        np.testing.assert_allclose(
+            pred["pred_case_0000"], expected(source, float(source.field_data["load"][0])),
+            rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_new_mesh_refusals_are_sentences(store_run, tmp_path, capsys):
+    """A condition the run does not have, a NaN condition, --condition beside --data, a
+    run whose inputs were not read from mesh arrays (Darcy's generated coefficient: nothing
+    to build them by): one sentence each and no output file. A failure points to a mesh
+    predicted with made-up inputs."""
+    cases, store, run = store_run
+    mesh = cases / "test" / "case_0000.vtu"
+    out = tmp_path / "p.npz"
+    assert main(["infer", str(run), "--mesh", str(mesh), "--condition", "speed=1",
+                 "--out", str(out)]) == 1
+    assert "conditions ['speed'] are not this run's" in capsys.readouterr().err
+    assert main(["infer", str(run), "--mesh", str(mesh), "--condition", "load=nan",
+                 "--out", str(out)]) == 1
+    assert "not finite" in capsys.readouterr().err
+    assert main(["infer", str(run), "--data", str(store), "--condition", "load=1",
+                 "--out", str(out)]) == 2
+    _, darcy = tiny_darcy_run(tmp_path / "darcy")
+    assert main(["infer", str(darcy), "--mesh", str(mesh), "--out", str(out)]) == 2
+    assert "were not read from a mesh array" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the files --write-mesh writes (issue 41: 3, 5, 9, 14, 19)
+
+PLAIN = SimpleNamespace(layout=None)     # what write_on_mesh asks of a predictor
+
+
+def _result(name: str, seed: int = 0, n: int = 40) -> dict:
+    """A predicted case of ``n`` points without a source mesh (written as a point cloud)."""
+    x = np.random.default_rng(seed).random((1, n, 2)).astype(np.float32)
+    return {"name": name, "pred": x[..., :1] * 3 + seed, "mask": None, "case": Case(name, x)}
+
+
+def _files(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_write_mesh_keeps_every_case_apart(tmp_path):
+    """Cases named test/Re.1e5, test/Re.2e5, test/a/b and test/a_b are written as four
+    meshes (their names as paths under DIR, the suffix appended), each holding its own
+    prediction; two cases of one name, or a case whose file is another's folder, are
+    refused. A failure points to names folded together ("test_Re.vtu" twice: 4 cases, 2
+    files, exit 0)."""
+    out = tmp_path / "meshes"
+    names = ["test/Re.1e5", "test/Re.2e5", "test/a/b", "test/a_b"]
+    results = list(write_on_mesh(out, [_result(n, i) for i, n in enumerate(names)], PLAIN))
+    assert _files(out) == sorted(f"{n}{suffix}" for n in names for suffix in (".png", ".vtp"))
+    for r in results:
+        mesh = pv.read(out / f"{r['name']}.vtp")
+        np.testing.assert_array_equal(mesh.point_data["pred_y0"], r["pred"][0, :, 0])
+    with pytest.raises(DataError, match="would both write"):
+        list(write_on_mesh(tmp_path / "twice", [_result("a"), _result("a", 1)], PLAIN))
+    with pytest.raises(DataError, match="would both write"):
+        list(write_on_mesh(tmp_path / "nested", [_result("x"), _result("x.vtp/y")], PLAIN))
+
+
+@pytest.mark.parametrize("name", [".", "..", "../x", "/tmp/x", "a/./b", "a//b"])
+def test_write_mesh_names_stay_inside_the_folder(tmp_path, name):
+    """A case named '.', '..', an absolute path or one with empty or dot parts is refused
+    before anything is written; nothing appears beside the folder (a sample named '.'
+    wrote DIR.vtu next to DIR)."""
+    out = tmp_path / "meshes"
+    with pytest.raises(UnsafeName, match="case name"):
+        list(write_on_mesh(out, [_result(name)], PLAIN))
+    assert _files(tmp_path) == []
+
+
+def test_write_mesh_never_follows_a_link_at_its_files(tmp_path):
+    """A symbolic link at DIR/<name>.png leading out of DIR is refused and its target
+    keeps its bytes; a link inside DIR is replaced by the picture, its target untouched.
+    A failure points to a picture written through a link (it overwrote the target)."""
+    out = tmp_path / "meshes"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (out / "case.png").symlink_to(victim)
+    with pytest.raises(UnsafeName, match="symbolic link"):
+        list(write_on_mesh(out, [_result("case")], PLAIN))
+    assert victim.read_text() == "keep"
+    kept = out / "kept.txt"
+    kept.write_text("keep")
+    (out / "inner.png").symlink_to(kept)
+    list(write_on_mesh(out, [_result("inner")], PLAIN))
+    assert kept.read_text() == "keep" and not (out / "inner.png").is_symlink()
+    assert (out / "inner.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_write_mesh_refuses_a_mesh_the_disk_cannot_hold(tmp_path, monkeypatch):
+    """With less free space than the mesh needs (shutil.disk_usage says 1000 bytes), the
+    write is refused before VTK's writer runs, naming the file, the bytes needed and free,
+    and leaves no file and no temporary. A failure points to VTK started on a full disk
+    (SIGSEGV in a 10 MB tmpfs)."""
+    out = tmp_path / "meshes"
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=10 ** 6, used=10 ** 6 - 1000,
+                                                     free=1000))
+    with pytest.raises(OSError, match="needs up to .* bytes and its file system has 1,000 "
+                                      "free") as err:
+        list(write_on_mesh(out, [_result("case")], PLAIN))
+    assert err.value.filename == str(out / "case.vtp")
+    assert _files(tmp_path) == []
+
+
+def _infer_child(run, store, out_dir, **popen) -> subprocess.CompletedProcess:
+    src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "flarepp", "infer", str(run), "--data",
+                           str(store), "--out", str(out_dir.parent / "p.npz"), "--write-mesh",
+                           str(out_dir), "--device", "cpu"], env=env, capture_output=True,
+                          text=True, timeout=300, **popen)
+
+
+@pytest.mark.slow
+def test_write_mesh_under_a_file_size_limit_is_a_sentence(store_run, tmp_path):
+    """Under ``ulimit -f`` (RLIMIT_FSIZE) below the mesh's size, ``infer --write-mesh``
+    exits 1 naming the file and the limit, and leaves no temporary (VTK's writer killed
+    the process: SIGSEGV / SIGABRT, with multi-MB temporaries left)."""
+    _, store, run = store_run
+    out = tmp_path / "meshes"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, resource.RLIM_INFINITY))
+    proc = _infer_child(run, store, out, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "file-size limit (ulimit -f)" in proc.stderr and "case_0000.vtu" in proc.stderr
+    assert not [f for f in _files(tmp_path) if is_temporary(os.path.basename(f))]
+    assert not (tmp_path / "p.npz").exists()
+
+
+@pytest.mark.slow
+def test_write_mesh_on_a_full_tmpfs_is_a_sentence(store_run, tmp_path):
+    """On a real 10 MB tmpfs filled to its last 60 KB, ``infer --write-mesh`` exits 1
+    naming the file and the free bytes, and leaves no temporary (it died of SIGSEGV, exit
+    139, with temporaries left). Needs root to mount (skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    _, store, run = store_run
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with open(disk / "fill", "wb") as f:
+            f.write(b"\0" * (shutil.disk_usage(disk).free - 60_000))
+        proc = _infer_child(run, store, disk / "meshes")
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "its file system has" in proc.stderr and "case_0000.vtu" in proc.stderr
+        assert not [f for f in _files(disk) if is_temporary(os.path.basename(f))]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_write_mesh_refuses_a_source_changed_since_conversion(store_run, tmp_path, capsys):
+    """A test case's VTU renumbered after conversion (its points permuted, the cells
+    re-indexed: the same point count, the same mesh) no longer matches the size and digest
+    the store recorded: ``--write-mesh`` is refused in a sentence naming the file, where it
+    put every value on the wrong point. Its predictions (no mesh) are still written when
+    asked without --write-mesh. A failure points to the store's record of its source not
+    being checked."""
+    _, _, run = store_run
+    cases, store = tmp_path / "cases", tmp_path / "store"
+    make_elasticity_mesh(cases, n_train=2, n_test=1, progress=False)
+    assert main(["data", "convert", str(cases), "--out", str(store), "--targets",
+                 "von_mises", "--conditions", "load", "--test-pattern", "test/*",
+                 "--quiet"]) == 0
+    path = cases / "test" / "case_0000.vtu"
+    mesh = pv.read(path)
+    order = np.random.default_rng(0).permutation(mesh.n_points)
+    renumbered = pv.UnstructuredGrid(
+        {pv.CellType.TRIANGLE: np.argsort(order)[mesh.cells_dict[pv.CellType.TRIANGLE]]},
+        np.asarray(mesh.points)[order])
+    renumbered.point_data["von_mises"] = mesh.point_data["von_mises"][order]
+    renumbered.field_data["load"] = mesh.field_data["load"]
+    renumbered.save(path)
+    assert renumbered.n_points == mesh.n_points
+    out = tmp_path / "meshes"
+    assert main(["infer", str(run), "--data", str(store), "--out", str(tmp_path / "p.npz"),
+                 "--write-mesh", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "is not the file the store converted" in err
+    assert not (tmp_path / "p.npz").exists() and not (out / "test" / "case_0000.vtu").exists()
+    assert main(["infer", str(run), "--data", str(store), "--out",
+                 str(tmp_path / "p.npz")]) == 0

@@ -155,6 +155,38 @@ def append_line(path: str | Path, line: str) -> None:
         raise OSError(err.errno, err.strerror, str(path)) from err
 
 
+def require_room(path: str | Path, nbytes: int, what: str = "the file") -> None:
+    """Raise an ``OSError`` naming ``path`` before a write of up to ``nbytes`` that cannot
+    fit: more than the free space of ``path``'s file system (``shutil.disk_usage``), or
+    than the process's file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``). For writers
+    that cannot fail cleanly on a full disk (a C++ library's), called before them; another
+    writer can still take the space in between, which their own check then meets."""
+    import shutil
+    path = Path(path)
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:   # the folder may be made later
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    limit = _file_size_limit()
+    if limit is not None and nbytes > limit:
+        raise OSError(errno.EFBIG, f"{what} needs up to {nbytes:,} bytes, more than the "
+                                   f"file-size limit (ulimit -f) of {limit:,} bytes; raise the "
+                                   "limit", str(path))
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{what} needs up to {nbytes:,} bytes and its file system "
+                                    f"has {free:,} free; free space there or write elsewhere",
+                      str(path))
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:          # pragma: no cover (Windows has no file-size limit)
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
 class UnreadableFile(ValueError):
     """A file flarepp wrote earlier (a run's ``config.json``, ``log.jsonl``, ``metrics.json``)
     that no longer decodes: the message names the file and the place."""
@@ -232,4 +264,5 @@ def confined(root: str | Path, name: Any, *, what: str = "name") -> Path:
 
 __all__ = ["UnreadableFile", "UnsafeName", "append_line", "atomic_write", "atomic_write_all",
            "atomic_write_bytes", "atomic_write_json", "atomic_write_npz", "atomic_write_text",
-           "confined", "fsync_directory", "is_temporary", "read_json", "read_json_lines"]
+           "confined", "fsync_directory", "is_temporary", "read_json", "read_json_lines",
+           "require_room"]

@@ -70,6 +70,16 @@ def check_output(path: str | Path, *, directory: bool, option: str = "--out") ->
     return path
 
 
+def say(line: str) -> None:
+    """Print ``line`` on stdout, flushed; a reader that has gone away (``| head``) is not an
+    error of the command: stdout is pointed at ``/dev/null`` and the command goes on to
+    write its files."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def parse_scalar(text: str) -> int | float | str:
     """A ``KEY=VALUE`` option's value: an int, else a float, else the text itself."""
     for kind in (int, float):
@@ -152,4 +162,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["COMPUTE_COMMANDS", "CLIError", "add_threads_argument", "at_least", "build_parser",
-           "check_output", "main", "parse_scalar"]
+           "check_output", "main", "parse_scalar", "say"]

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from flarepp.cli import check_output
 from flarepp.inference.export import FORMATS, export_run
 from flarepp.interop import EXPORT_FORMATS
-from flarepp.storage.rundir import RunDir
+from flarepp.storage.rundir import owning_run, run_checkpoint
 
 
 def _export(args: argparse.Namespace) -> int:
-    run = Path(args.run)
-    out = args.out or RunDir(run if run.is_dir() else run.parent.parent).exported(args.format)
+    out = args.out or owning_run(run_checkpoint(args.run)).exported(args.format)
     check_output(out, directory=False)
     if args.format in EXPORT_FORMATS:   # another implementation's format (flarepp.interop)
-        written = EXPORT_FORMATS.get(args.format)(run, out, weights=args.weights)
+        written = EXPORT_FORMATS.get(args.format)(args.run, out, weights=args.weights)
         print(json.dumps(written))
         return 0
-    written = export_run(run, out, args.format, weights=args.weights)
+    written = export_run(args.run, out, args.format, weights=args.weights)
     print(json.dumps(written))
     print(f"wrote {written['path']} ({args.format}: x [B, N, {written['inputs']['x'][2]}] "
           f"and mask [B, N] -> y [B, N, {written['outputs']['y'][2]}] in physical units; "
@@ -37,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pt2: torch.export, loads with torch alone; onnx: dynamo exporter, "
                         "for onnxruntime; safetensors: weights, normalisers, model config; "
                         "mdlus: PhysicsNeMo's FLARE where it computes the run's function")
-    p.add_argument("--out", help="the file to write (default: RUN/model.<format>)")
+    p.add_argument("--out", help="the file to write (default: RUN/model.<format>, beside "
+                   "the checkpoint for one outside a run's checkpoints/)")
     p.add_argument("--weights", choices=("raw", "ema"),
                    help="which weights (default: those the run reports)")
     p.set_defaults(func=_export)

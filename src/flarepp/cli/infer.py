@@ -1,4 +1,5 @@
-"""``flarepp infer``: full-mesh predictions of a run, streamed and/or token-sharded."""
+"""``flarepp infer``: full-mesh predictions of a run, streamed and/or token-sharded, of a
+dataset, a store, an ``.npz`` or new mesh files."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from flarepp.cli import CLIError, add_threads_argument, at_least, check_output
+from flarepp.cli import CLIError, add_threads_argument, at_least, check_output, say
 from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
 from flarepp.distributed import context_parallel
 from flarepp.distributed.mesh import launch
 from flarepp.distributed.streaming import HIDDEN_ON
-from flarepp.inference.infer import (Case, geometry_case, predict_cases, read_cases,
-                                     write_on_mesh, write_predictions)
+from flarepp.inference.infer import (Case, predict_cases, read_cases, write_on_mesh,
+                                     write_predictions)
+from flarepp.inference.mesh_cases import mesh_cases
 from flarepp.inference.predictor import Predictor, load_predictor
 from flarepp.models.backbone import compile_model
 from flarepp.threads import SHARED_BY_RANKS, ThreadTuner
@@ -23,9 +25,16 @@ from flarepp.threads import SHARED_BY_RANKS, ThreadTuner
 
 def _check_options(args: argparse.Namespace) -> None:
     check_output(args.out, directory=False)
-    if (args.data is None) == (args.geometry is None):
-        raise CLIError("give the cases to predict: --data (a dataset, store or .npz) or "
-                       "--geometry FILE (a surface alone), one of them")
+    if sum(a is not None for a in (args.data, args.mesh, args.geometry)) != 1:
+        raise CLIError("give the cases to predict: --data (a dataset, store or .npz), --mesh "
+                       "FILE or DIR (new meshes) or --geometry FILE (a surface alone), one of "
+                       "them")
+    if (args.condition or args.conditions) and args.data is not None:
+        raise CLIError("--condition and --conditions go with --mesh or --geometry; --data "
+                       "brings its own conditions")
+    if args.condition and args.conditions:
+        raise CLIError("give conditions as --condition NAME=VALUE or as a table "
+                       "(--conditions FILE), not both")
     if args.write_mesh:
         check_output(args.write_mesh, directory=True, option="--write-mesh")
     if args.chunk_size is None and (args.hidden_on != "auto" or args.memmap_dir):
@@ -52,18 +61,35 @@ def _predictor(args: argparse.Namespace) -> Predictor:
     return predictor
 
 
+def _conditions(pairs: list[str] | None) -> dict[str, float]:
+    """``--condition NAME=VALUE`` (repeatable) as ``{name: value}``."""
+    out: dict[str, float] = {}
+    for pair in pairs or ():
+        name, eq, value = pair.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not eq or not name or number is None:
+            raise CLIError(f"--condition {pair!r}: expected NAME=VALUE with a number")
+        if name in out:
+            raise CLIError(f"--condition {name!r} is given twice")
+        out[name] = number
+    return out
+
+
 def _cases(args: argparse.Namespace, predictor: Predictor) -> Iterator[Case]:
-    if args.geometry is None:
+    if args.data is not None:
         return read_cases(predictor, args.data, split=args.split, dataset=args.dataset)
-    if predictor.config.task != "surface":
-        raise CLIError(f"--geometry gives cell centres and normals, the surface task's "
-                       f"inputs; this is a {predictor.config.task!r} run (use --data)")
-    return iter([geometry_case(args.geometry)])
+    return mesh_cases(predictor, args.mesh or args.geometry,
+                      conditions=_conditions(args.condition), table=args.conditions,
+                      geometry=args.geometry is not None)
 
 
 def _shown(results: Iterable[dict[str, Any]], how: str) -> Iterator[dict[str, Any]]:
-    """Each result passed on after its line: shape, points, seconds, errors, the force,
-    peak memory, the meshes written; a warning for non-finite predictions."""
+    """Each result passed on after its line: shape, rows (points or cells), seconds,
+    errors (the surface task's nmse named as what it is), the force, peak memory, the
+    meshes written; a warning for non-finite predictions."""
     for r in results:
         bad = ~np.isfinite(r["pred"]).all(axis=-1) & (True if r["mask"] is None else r["mask"])
         if bad.any():
@@ -72,14 +98,16 @@ def _shown(results: Iterable[dict[str, Any]], how: str) -> Iterator[dict[str, An
                   "or a checkpoint trained in fp32)", file=sys.stderr)
         error = ("" if "rel_l2" not in r else f", mean relative L2 "
                  f"{100 * np.mean(r['rel_l2']):.3f}%" + (
-                     "" if r["name"] is None else f", nmse {r['nmse']:.4g}%"))
+                     "" if "nmse" not in r else f", nmse {r['nmse']:.4g}% (100 x the MSE of "
+                     "the fields standardised by the run's statistics)"))
         force = ("" if "force" not in r else ", predicted force [" + ", ".join(
             f"{f:.4g}" for f in r["force"]) + "] (sum of (-p n + tau) A)")
-        print(f"{r['name'] or 'pred'} {list(r['pred'].shape)}: {r['cells']} points in "
-              f"{r['seconds']:.1f} s ({how}){error}{force}; peak host memory so far "
-              f"{r['peak_gib']:.2f} GiB", flush=True)
+        rows = "cells" if r["case"].association == "cell" else "points"
+        say(f"{r['name'] or 'pred'} {list(r['pred'].shape)}: {r['cells']} {rows} in "
+            f"{r['seconds']:.1f} s ({how}){error}{force}; peak host memory so far "
+            f"{r['peak_gib']:.2f} GiB")
         for path in r.get("meshes", ()):
-            print(f"  wrote {path}")
+            say(f"  wrote {path}")
         yield r
 
 
@@ -95,7 +123,7 @@ def _infer(args: argparse.Namespace) -> int:
     predictor = _predictor(args)
     cases = _cases(args, predictor)
     how = f"chunks of {args.chunk_size}" if args.chunk_size else "one pass"
-    source = str(args.data or args.geometry)
+    source = str(args.data or args.mesh or args.geometry)
     if not args.context_parallel:
         done = _written(args, predictor, predict_cases(
             predictor, cases, source=source, batch_size=args.batch_size), how)
@@ -110,7 +138,7 @@ def _infer(args: argparse.Namespace) -> int:
                         pass
                     return 0
                 done = _written(args, predictor, results, how)
-    print(f"wrote {args.out}: {len(done)} case(s) ({how})")
+    say(f"wrote {args.out}: {len(done)} case(s) ({how})")
     return 0
 
 
@@ -120,18 +148,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="a run directory (its reported checkpoint) or a "
                    "checkpoint file")
     p.add_argument("--data",
-                   help="the checkpoint's dataset directory or store, or an .npz of inputs x "
-                        "[S, N, in] (and mask [S, N]) without targets")
+                   help="the checkpoint's dataset directory or store (its --split), or an "
+                        ".npz: every sample of x [S, N, in], with optional y [S, N, out], "
+                        "mask [S, N] and conditions [S, C] or [S, K, C]")
+    p.add_argument("--mesh", metavar="FILE_OR_DIR",
+                   help="new meshes (any format `data convert` reads, or a folder of them): "
+                        "the inputs built from each as the run's store was converted (the "
+                        "surface task: cell centres and normals)")
     p.add_argument("--geometry", metavar="FILE",
-                   help="a surface run: predict on this geometry alone (STL, VTP, ...: cell "
-                        "centres and normals computed from it) instead of --data")
+                   help="a surface alone (STL, VTP, ...): for a run whose inputs are a "
+                        "surface's cell centres and normals (the surface task, or a store "
+                        "converted with just those)")
+    p.add_argument("--condition", action="append", metavar="NAME=VALUE",
+                   help="with --mesh / --geometry: a condition of a conditioned run, by its "
+                        "name, in the run's units (repeatable; default: the mesh's field "
+                        "data)")
+    p.add_argument("--conditions", metavar="TABLE",
+                   help="with --mesh / --geometry: a condition table as `data convert` "
+                        "reads it (CSV with a 'case' column, or JSON), a row per mesh")
     p.add_argument("--write-mesh", metavar="DIR",
                    help="also write each sample's pred_/true_/error_<field> arrays onto its "
-                        "source mesh (DIR/<name>.vtu or .vtp; a point cloud where the data "
-                        "has no mesh) with a picture DIR/<name>.png")
+                        "source mesh (DIR/<name>.vtu or .vtp, <name> the case's name with "
+                        "its folders; a point cloud where the data has no mesh) with a "
+                        "picture DIR/<name>.png")
     p.add_argument("--out", required=True, help="output .npz: pred [S, N, out] "
-                   "(de-normalised), rel_l2 [S] when targets are present, mask; for a "
-                   "surface checkpoint pred_<run> [N, 4] per run, cases, rel_l2 and nmse")
+                   "(de-normalised), rel_l2 [S] when targets are present, mask; for named "
+                   "cases (store samples, cars, meshes) pred_<name> [N, out] each, cases, "
+                   "cells (rows), seconds, rel_l2, and the surface task's nmse")
     p.add_argument("--split", choices=["test", "train"], default="test")
     p.add_argument("--dataset", help="read --data with this registered loader instead of the "
                    "checkpoint's (e.g. npz)")

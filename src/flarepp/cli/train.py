@@ -91,10 +91,12 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
 
 def _eval(args: argparse.Namespace) -> int:
     from flarepp.io import atomic_write_json
+    from flarepp.storage.rundir import run_checkpoint
     from flarepp.train import evaluate_checkpoint
     if args.json:
         check_output(args.json, directory=False, option="--json")
-    metrics = evaluate_checkpoint(args.checkpoint, data_root=args.data, device=args.device,
+    checkpoint = run_checkpoint(args.checkpoint)   # a run directory: its reported one
+    metrics = evaluate_checkpoint(checkpoint, data_root=args.data, device=args.device,
                                   chunk_size=args.chunk_size, precision=args.precision,
                                   say=lambda line: print(line, file=sys.stderr))
     if args.json:
@@ -195,7 +197,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", help="a run directory (its reported checkpoint) or a "
+                   "checkpoint file")
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help=f"write the metrics here (same keys as {RunDir.METRICS})")
     e.add_argument("--device", default="auto", help=DEVICE_HELP)

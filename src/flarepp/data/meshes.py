@@ -29,6 +29,7 @@ pyvista).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import warnings
@@ -388,14 +389,41 @@ def point_cloud(coordinates_PG: np.ndarray):
     return pv.PolyData(points)
 
 
+def mesh_suffix(mesh) -> str:
+    """The file suffix :func:`write_fields` gives ``mesh``: ``.vtp`` for polygon surfaces
+    and point clouds (``PolyData``), ``.vtu`` for every other mesh."""
+    return ".vtp" if isinstance(mesh, require_pyvista().PolyData) else ".vtu"
+
+
+def written_bytes(mesh) -> int:
+    """An upper bound of the bytes of ``mesh`` as VTK XML (appended raw data, zlib): its
+    points, every point, cell and field array as stored, its cells' ids at 8 bytes (the
+    writer's Int64) and types, 1% for the compressor's block headers and 64 KiB of XML."""
+    arrays = [mesh.points, *(mesh.point_data[k] for k in mesh.point_data.keys()),
+              *(mesh.cell_data[k] for k in mesh.cell_data.keys()),
+              *(mesh.field_data[k] for k in mesh.field_data.keys())]
+    total = sum(np.asarray(a).nbytes for a in arrays)
+    if isinstance(mesh, require_pyvista().PolyData):
+        cells = [mesh.GetVerts(), mesh.GetLines(), mesh.GetPolys(), mesh.GetStrips()]
+    else:
+        cells = [mesh.GetCells()]
+        total += mesh.n_cells                                      # types, uint8
+    ids = sum(c.GetNumberOfConnectivityIds() + c.GetNumberOfCells() + 1 for c in cells)
+    return int(1.01 * (total + 8 * ids)) + (64 << 10) + 512 * len(arrays)
+
+
 def write_fields(mesh, arrays: dict[str, np.ndarray], association: str, out: str | Path,
                  *, where: str = "") -> Path:
     """``mesh`` with ``arrays`` (``name -> [P or C] or [P or C, k]``) added as point or cell
-    data (``association``), saved beside ``out``'s stem as ``.vtp`` (polygon surfaces and
-    point clouds) or ``.vtu`` (every other mesh) through a temporary file and a rename; the
-    path written. An array whose row count is not the mesh's is a :class:`DataError` naming
-    ``where`` (the source file)."""
-    from flarepp.io import atomic_write
+    data (``association``), saved as ``out`` with :func:`mesh_suffix`'s suffix appended
+    (``out`` ``a/Re.1e5`` gives ``a/Re.1e5.vtu``) by VTK's XML writer, through a temporary
+    file and a rename; the path written. An array whose row count is not the mesh's is a
+    :class:`DataError` naming ``where`` (the source file). Space first: a full disk or a
+    file-size limit kills VTK's writer (SIGSEGV, SIGABRT), so the bytes are bounded
+    (:func:`written_bytes`) and compared with the room there
+    (:func:`flarepp.io.require_room`) before it runs, and its result is checked; a failure
+    is an ``OSError`` naming the file and leaves no temporary."""
+    from flarepp.io import atomic_write, require_room
     pv = require_pyvista()
     if not isinstance(mesh, pv.PolyData):
         mesh = mesh.cast_to_unstructured_grid()
@@ -407,12 +435,14 @@ def write_fields(mesh, arrays: dict[str, np.ndarray], association: str, out: str
                             f"predictions have {len(values)} rows for {name!r}; the source "
                             "file changed after conversion?")
         target[name] = np.ascontiguousarray(values)
-    out = Path(out).with_suffix(".vtp" if isinstance(mesh, pv.PolyData) else ".vtu")
+    out = Path(out)
+    out = out.with_name(out.name + mesh_suffix(mesh))
+    require_room(out, written_bytes(mesh), "the mesh")
 
     def save(tmp: Path) -> None:  # the writer is chosen by the suffix, which tmp lacks
         named = Path(f"{tmp}{out.suffix}")
         try:
-            mesh.save(str(named), binary=True)
+            _vtk_write(mesh, named, out)
             os.replace(named, tmp)
         finally:
             named.unlink(missing_ok=True)
@@ -420,6 +450,27 @@ def write_fields(mesh, arrays: dict[str, np.ndarray], association: str, out: str
     return out
 
 
+def _vtk_write(mesh, path: Path, target: Path) -> None:
+    """``mesh`` written to ``path`` by VTK's XML writer (appended raw data, zlib), its
+    result checked: an ``OSError`` naming ``target`` when it reports a failure."""
+    from vtkmodules.vtkCommonMisc import vtkErrorCode
+    from vtkmodules.vtkIOXML import vtkXMLPolyDataWriter, vtkXMLUnstructuredGridWriter
+    pv = require_pyvista()
+    writer = (vtkXMLPolyDataWriter if isinstance(mesh, pv.PolyData)
+              else vtkXMLUnstructuredGridWriter)()
+    writer.SetFileName(str(path))
+    writer.SetInputData(mesh)
+    writer.SetDataModeToAppended()
+    writer.EncodeAppendedDataOff()
+    writer.SetCompressorTypeToZLib()
+    ok = writer.Write()
+    code = writer.GetErrorCode()
+    if ok != 1 or code != 0 or not path.is_file():
+        raise OSError(errno.EIO, "VTK's writer failed ("
+                      f"{vtkErrorCode.GetStringFromErrorCode(code) if code else 'no file'})",
+                      str(target))
+
+
 __all__ = ["CellGeometry", "MESH_FORMATS", "MeshFormat", "cell_dimension", "cell_geometry",
-           "format_of", "known_suffixes", "point_cloud", "read_mesh", "register_format",
-           "write_fields"]
+           "format_of", "known_suffixes", "mesh_suffix", "point_cloud", "read_mesh",
+           "register_format", "write_fields", "written_bytes"]

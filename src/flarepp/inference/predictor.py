@@ -26,12 +26,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from flarepp.data import DataError
+from flarepp.data.layout import ChannelLayout
+from flarepp.data.store import MeshStore
 from flarepp.device import resolve_device
+from flarepp.inference.evaluate import run_data
 from flarepp.inference.execution import Execution, predict_tokens
 from flarepp.models.surrogate import Surrogate
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_surrogate
 from flarepp.storage.config import RunConfig
-from flarepp.storage.rundir import NotARunDirectory, RunDir
+from flarepp.storage.rundir import run_checkpoint
 
 
 class PredictorError(ValueError):
@@ -44,7 +48,12 @@ class InputLayout:
     checkpoint): ``channels`` inputs per point of which the first ``coordinates`` are point
     positions (None: the run did not say, so every channel counts as one), their ``names``,
     ``conditions`` ``(K, C)`` conditioning tokens for a conditioned model (None: it takes
-    none), and the outputs' ``field_names`` and ``units``."""
+    none) named ``condition_names`` in the order the model takes them, the outputs'
+    ``field_names`` and ``units``, and ``data_layout``: the run's channel layout
+    (:class:`~flarepp.data.ChannelLayout`, for a run on a converted store: every input,
+    target and condition channel with its source array or geometry, unit scale and units,
+    point or cell rows; None where the run stored none), from which a new mesh's inputs are
+    built and against which other data is checked."""
 
     channels: int
     outputs: int
@@ -54,6 +63,7 @@ class InputLayout:
     field_names: tuple[str, ...] = ()
     units: str = ""
     condition_names: tuple[str, ...] = ()
+    data_layout: ChannelLayout | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_checkpoint(cls, state: dict[str, Any]) -> "InputLayout":
@@ -63,26 +73,40 @@ class InputLayout:
         if "cond_dim" in model:
             conditions = (int(model["cond_tokens"]), int(model["cond_dim"]))
         names = inputs.get("names")
+        taken = tuple(data.get("conditions", ()))
+        channels = None
+        if isinstance(data.get("layout"), dict):   # the model's conditions only, its order
+            channels = ChannelLayout.from_dict(data["layout"]).with_conditions(list(taken))
         return cls(int(model["in_dim"]), int(model["out_dim"]), inputs.get("coordinates"),
                    None if names is None else tuple(names), conditions,
                    tuple(data.get("field_names", ())), str(data.get("units", "")),
-                   tuple(data.get("conditions", ())))
+                   taken, channels)
 
     @property
     def features(self) -> int:
         return self.channels - (self.channels if self.coordinates is None else self.coordinates)
 
     def describe(self) -> str:
-        """``"2 coordinate channels (x, y) and 1 feature channel (a)"``."""
+        """``"2 coordinate channels (x, y) and 1 feature channel (a)"``, and for a
+        conditioned model ``"; and per sample 1 token of 2 conditions (load, speed), in
+        that order"``."""
         if self.coordinates is None:
-            return (f"{self.channels} input channels (the run did not say which are "
+            text = (f"{self.channels} input channels (the run did not say which are "
                     "coordinates: pass them all as points)")
-        names = self.names or ()
-        parts = [(self.coordinates, "coordinate", names[:self.coordinates]),
-                 (self.features, "feature", names[self.coordinates:])]
-        return " and ".join(f"{n} {what} channel{'s' * (n != 1)}"
-                            + (f" ({', '.join(named)})" if named else "")
-                            for n, what, named in parts if n or what == "coordinate")
+        else:
+            names = self.names or ()
+            parts = [(self.coordinates, "coordinate", names[:self.coordinates]),
+                     (self.features, "feature", names[self.coordinates:])]
+            text = " and ".join(f"{n} {what} channel{'s' * (n != 1)}"
+                                + (f" ({', '.join(named)})" if named else "")
+                                for n, what, named in parts if n or what == "coordinate")
+        if self.conditions is None:
+            return text
+        tokens, width = self.conditions
+        named = (f" ({', '.join(self.condition_names)}), in that order"
+                 if self.condition_names else "")
+        return (f"{text}; and per sample {tokens} token{'s' * (tokens != 1)} of {width} "
+                f"condition{'s' * (width != 1)}{named}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +164,11 @@ class Predictor:
 
         ``features`` ``[(B,) N, F]``: the input channels after the coordinates (the run's
         layout says how many: :attr:`layout`); ``conditions`` ``[(B,) K, C]``: per-sample
-        conditioning tokens of a conditioned model; ``mask`` ``[(B,) N]`` bool, True at
+        conditioning tokens of a conditioned model, in physical units (as the run's store
+        holds them, its unit scales applied), their C channels in the order of
+        ``layout.condition_names`` (``layout.describe()`` says it); ``[(B,) C]`` for one
+        token; or by name, ``{name: value or [B] values}``, every name of the run once
+        (one token); finite, or refused; ``mask`` ``[(B,) N]`` bool, True at
         real points (padded points get zeros); ``chunk_size`` streams K points at a time
         (exact); ``batch_size`` samples per forward; ``as_torch`` returns a CPU tensor."""
         x, mask_arr, cond, single = self._inputs(points, features, conditions, mask)
@@ -213,6 +241,10 @@ class Predictor:
         if list(c.shape) != [samples, tokens, width]:
             raise PredictorError(f"conditions must be [B, K, C] = [{samples}, {tokens}, "
                                  f"{width}], got {list(c.shape)}")
+        if not np.isfinite(c).all():
+            sample = int(np.argwhere(~np.isfinite(c))[0][0])
+            raise PredictorError(f"conditions hold NaN or inf (first in sample {sample}); "
+                                 "every prediction of that sample would be NaN")
         return c
 
 
@@ -261,15 +293,7 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
 
     Raises one sentence for a path that is no run and no checkpoint, and for a run whose
     task does not map mesh points to fields (no stored normalisers)."""
-    path = Path(path)
-    if path.is_dir():
-        found = RunDir(path).require_run().reported_checkpoint()
-        if found is None:
-            raise NotARunDirectory(f"run directory {str(path)!r} holds no checkpoint yet")
-        path = found
-    elif not path.exists():
-        raise NotARunDirectory(f"{str(path)!r} does not exist: give a flarepp run directory "
-                               "or a checkpoint file")
+    path = run_checkpoint(path)
     if weights not in (None, "raw", "ema"):
         raise ValueError(f"weights must be 'raw' or 'ema' (default: those the run reports), "
                          f"got {weights!r}")
@@ -278,9 +302,23 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
                                   else weights == "ema")
     config = RunConfig.from_stored(state["config"])
     device = resolve_device(device)
+    layout = InputLayout.from_checkpoint(state)
+    if layout.data_layout is None and config.dataset == "store":
+        layout = dataclasses.replace(layout, data_layout=_store_layout(state, config, layout))
     return Predictor(surrogate.to(device).eval(),
                      Execution(device, precision or config.precision, chunk_size=chunk_size),
-                     InputLayout.from_checkpoint(state), config)
+                     layout, config)
+
+
+def _store_layout(state: dict[str, Any], config: RunConfig,
+                  layout: InputLayout) -> ChannelLayout | None:
+    """The channel layout of a store run that stored none (trained before runs stored it):
+    that of the store at the run's recorded data path, when it still opens (None if not)."""
+    try:
+        store = MeshStore(run_data(state, config))
+        return store.layout.with_conditions(list(layout.condition_names))
+    except (DataError, KeyError):
+        return None
 
 
 __all__ = ["InputLayout", "Predictor", "PredictorError", "load_predictor"]

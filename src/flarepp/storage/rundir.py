@@ -303,6 +303,33 @@ class RunDir:
         return self.latest_checkpoint()
 
 
+def run_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``path`` names: a run directory's reported checkpoint
+    (:meth:`RunDir.reported_checkpoint`) or a checkpoint file itself; a path that is
+    neither, or a run without a checkpoint yet, is :class:`NotARunDirectory` in a sentence.
+    What ``infer``, ``eval``, ``export`` and :func:`flarepp.load` accept."""
+    path = Path(path)
+    if path.is_dir():
+        found = RunDir(path).require_run().reported_checkpoint()
+        if found is None:
+            raise NotARunDirectory(f"run directory {str(path)!r} holds no checkpoint yet")
+        return found
+    if not path.exists():
+        raise NotARunDirectory(f"{str(path)!r} does not exist: give a flarepp run directory "
+                               "or a checkpoint file")
+    return path
+
+
+def owning_run(checkpoint: str | Path) -> RunDir:
+    """The run directory a checkpoint file belongs to: the run whose ``checkpoints/`` holds
+    it, else (a checkpoint copied elsewhere) the folder it is in."""
+    checkpoint = Path(checkpoint)
+    folder = checkpoint.parent
+    if folder.name == RunDir.CHECKPOINTS and RunDir(folder.parent).is_run():
+        return RunDir(folder.parent)
+    return RunDir(folder)
+
+
 def checkpoint_epoch(path: str | Path) -> tuple[int, int | None]:
     """``(epochs, step)`` of a checkpoint file name (``step`` None at an epoch's end)."""
     match = CHECKPOINT_NAME.fullmatch(Path(path).name)
@@ -369,4 +396,5 @@ def provenance(devices: Iterable[Any] = ("cpu",), **extra: Any) -> dict[str, Any
 
 
 __all__ = ["CHECKPOINT_NAME", "LOCK_NAME", "LockHolder", "NotARunDirectory", "RunDir", "RunLock",
-           "RunLocked", "checkpoint_epoch", "device_names", "git_commit", "provenance"]
+           "RunLocked", "checkpoint_epoch", "device_names", "git_commit", "owning_run",
+           "provenance", "run_checkpoint"]
