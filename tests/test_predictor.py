@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +140,91 @@ def test_conditions_are_normalised_through_the_same_path():
         p.predict(x)
     with pytest.raises(PredictorError, match=r"conditions must be \[B, K, C\] = \[2, 2, 3\]"):
         p.predict(x, conditions=c[:, :1])
+
+
+def test_conditions_by_name_in_the_stored_order_and_never_nan():
+    """``layout.describe()`` of a conditioned run names its conditions in the order the
+    model takes them; ``conditions={name: value}`` equals the array in that order; a NaN
+    or inf condition is refused (it made every prediction of the sample NaN). A failure
+    points to conditions fed in another order, or a NaN passed on."""
+    from flarepp.models import model_from_config
+    model = model_from_config({"arch": "conditioned", "in_dim": 2, "out_dim": 1,
+                               "cond_dim": 2, "cond_tokens": 1, "conditioning": "concat",
+                               "mixer": "flarepp", "dim": 16, "heads": 2, "blocks": 1,
+                               "latents": 4}).eval()
+    maps = {name: Normalizer(np.zeros(k, np.float32), np.ones(k, np.float32))
+            for name, k in (("x", 2), ("y", 1), ("c", 2))}
+    layout = InputLayout(2, 1, coordinates=2, names=("x", "y"), conditions=(1, 2),
+                         condition_names=("load", "speed"))
+    assert layout.describe() == ("2 coordinate channels (x, y); and per sample 1 token of 2 "
+                                 "conditions (load, speed), in that order")
+    p = Predictor(Surrogate(model, **unit_maps(maps)), Execution("cpu"), layout=layout)
+    x = np.random.default_rng(0).normal(size=(2, 9, 2)).astype("f4")
+    by_name = p.predict(x, conditions={"speed": [3.0, 4.0], "load": [1.0, 2.0]})
+    np.testing.assert_array_equal(by_name, p.predict(x, conditions=[[1.0, 3.0], [2.0, 4.0]]))
+    assert not np.array_equal(by_name, p.predict(x, conditions=[[3.0, 1.0], [4.0, 2.0]]))
+    for bad in (np.nan, np.inf):
+        with pytest.raises(PredictorError, match="conditions hold NaN or inf"):
+            p.predict(x, conditions={"load": [1.0, bad], "speed": [3.0, 4.0]})
+
+
+@pytest.mark.slow
+def test_infer_of_an_npz_predicts_every_sample_it_holds(darcy_run, tmp_path, capsys):
+    """A run trained on an ``.npz`` (the npz dataset), given an ``.npz`` holding x and y
+    of 3 samples, predicts the 3 samples, each with its relative L2 against its y, equal
+    to ``flarepp.load(run).predict``; it read the file as a dataset and predicted its test
+    split only (1 of 3), saying "1 case(s)". With ``conditions`` beside x, a run that
+    takes none refuses them in a sentence. A failure points to the file read as a
+    dataset again."""
+    from tiny_runs import TINY
+    points, a = new_mesh(30, samples=3)
+    x = np.concatenate([points, a], -1)
+    y = np.random.default_rng(2).normal(size=(3, 30, 1)).astype("f4")
+    np.savez(tmp_path / "cases.npz", x=x, y=y)
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(tmp_path / "cases.npz"), "--out", str(run), "--quiet",
+                *[arg for t in TINY[:-1] for arg in ("--set", t)]]) == 0
+    capsys.readouterr()
+    assert cli(["infer", str(run), "--data", str(tmp_path / "cases.npz"), "--out",
+                str(tmp_path / "pred.npz"), "--device", "cpu"]) == 0
+    assert "pred [3, 30, 1]" in capsys.readouterr().out
+    predictor = flarepp.load(run, device="cpu")
+    assert predictor.layout.coordinates is None       # an npz without coords: all as points
+    want = predictor.predict(x)
+    with np.load(tmp_path / "pred.npz") as f:
+        np.testing.assert_allclose(f["pred"], want, rtol=1e-6, atol=1e-6)
+        rel = np.linalg.norm((want - y).reshape(3, -1), axis=1) / np.linalg.norm(
+            y.reshape(3, -1), axis=1)
+        np.testing.assert_allclose(f["rel_l2"], rel, rtol=1e-5)
+    np.savez(tmp_path / "conditioned.npz", x=x, conditions=np.ones((3, 1), "f4"))
+    assert cli(["infer", str(run), "--data", str(tmp_path / "conditioned.npz"), "--out",
+                str(tmp_path / "c.npz"), "--device", "cpu"]) == 2
+    assert "takes none" in capsys.readouterr().err and not (tmp_path / "c.npz").exists()
+
+
+@pytest.mark.slow
+def test_infer_into_a_closed_pipe_still_writes_its_file(darcy_run, tmp_path):
+    """``flarepp infer ... | head -c 0``: the reader is gone before the first line, yet
+    the output .npz is written whole and the command exits 0 (the closed stdout was taken
+    for a failure of the output file, and nothing was written)."""
+    _, run = darcy_run
+    points, a = new_mesh(30, samples=2)
+    np.savez(tmp_path / "cases.npz", x=np.concatenate([points, a], -1))
+    read, write = os.pipe()
+    os.close(read)                                  # the reader has gone away
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flarepp", "infer", str(run), "--data",
+                               str(tmp_path / "cases.npz"), "--out", str(tmp_path / "p.npz"),
+                               "--device", "cpu"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=300)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with np.load(tmp_path / "p.npz") as f:
+        assert f["pred"].shape == (2, 30, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -209,3 +209,91 @@ def test_bench_data_runs_and_reports_both_figures(tmp_path, capsys):
     assert result["conversion"]["cell"]["rows"] > 500 and result["conversion"]["point"]["rows"]
     assert 0.0 <= result["loader"][0]["loader_share"] <= 1.0
     assert "waiting for batches" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# `flarepp infer` of a store or an .npz against the run's stored layout (issue 41: 13;
+# issue 39: conditions in an .npz)
+
+@pytest.fixture(scope="module")
+def store_run(tmp_path_factory):
+    """Elasticity VTU cases, their store (``load`` a condition) and a conditioned run on
+    it: ``(cases, store, run)``."""
+    pytest.importorskip("pyvista")
+    from tiny_runs import tiny_store_run
+    return tiny_store_run(tmp_path_factory.mktemp("store-run"))
+
+
+@pytest.mark.slow
+def test_infer_checks_a_store_against_the_layout_the_run_stored(store_run, tmp_path, capsys):
+    """The run's own store is predicted with its errors. A store whose target is another
+    field, or the same in other units (x1e-6: "mean relative L2 92454356%"), is predicted
+    with a warning and no error; a renamed condition, a condition in other units and cell
+    rows where the run trained on point rows are refused in a sentence (exit 2) and
+    nothing is written: infer compared channel counts only. Its lines say points (the
+    store's rows) and no nmse (the surface task's metric, printed for store runs too). A
+    failure points to data read against another layout than the run's."""
+    from flarepp.cli import main
+    from flarepp.data.convert import convert
+    from flarepp.data.spec import parse_spec
+    cases, store, run = store_run
+    out = tmp_path / "p.npz"
+
+    def converted(name, **spec):
+        base = {"targets": ["von_mises"], "conditions": ["load"], "split": {"test": "test/*"}}
+        convert(cases, tmp_path / name, parse_spec({**base, **spec}), progress=False)
+        return tmp_path / name
+
+    def infer(data):
+        out.unlink(missing_ok=True)
+        code = main(["infer", str(run), "--data", str(data), "--out", str(out), "--device",
+                     "cpu"])
+        return code, capsys.readouterr()
+
+    code, said = infer(store)
+    assert code == 0 and "mean relative L2" in said.out and "warning" not in said.err
+    assert " points in " in said.out and "nmse" not in said.out   # the surface task's metric
+    for name, target in (("other", {"array": "von_mises", "name": "stress"}),
+                         ("scaled", {"array": "von_mises", "scale": 1e-6})):
+        code, said = infer(converted(name, targets=[target]))
+        assert code == 0 and "no error is computed" in said.err
+        assert "relative L2" not in said.out
+        with np.load(out) as f:
+            assert "rel_l2" not in f and len(f["cases"]) == 2
+    refused = {"renamed": ({"conditions": [{"array": "load", "name": "force"}]},
+                           "conditioned on ['load'], which the store does not hold"),
+               "units": ({"conditions": [{"array": "load", "scale": 10.0}]},
+                         "the store's conditions are load [load] from load x10"),
+               "cells": ({"association": "cell", "targets": []},
+                         "the store's rows are its meshes' cells, the run trained on points")}
+    for name, (spec, message) in refused.items():
+        code, said = infer(converted(name, **spec))
+        assert code == 2 and message in said.err and not out.exists(), said.err
+
+
+@pytest.mark.slow
+def test_infer_of_an_npz_takes_per_sample_conditions(store_run, tmp_path, capsys):
+    """An ``.npz`` of inputs with ``conditions [S, C]`` (or ``[S, K, C]``) is predicted
+    with them, equal to ``flarepp.load(run).predict`` (1e-6); without conditions, with a
+    NaN one, or of another width, a sentence (the npz path could carry none: "data gives
+    none"). A failure points to the conditions lost between the file and the model."""
+    import flarepp
+    from flarepp.cli import main
+    _, store, run = store_run
+    x = MeshStore(store).split("test").sample(0)[0][None]
+    loads = np.array([[1.3]], np.float32)
+    want = flarepp.load(run, device="cpu").predict(x, conditions=loads)
+    for i, conditions in enumerate((loads, loads[:, None, :])):
+        np.savez(tmp_path / f"c{i}.npz", x=x, conditions=conditions)
+        assert main(["infer", str(run), "--data", str(tmp_path / f"c{i}.npz"), "--out",
+                     str(tmp_path / f"p{i}.npz"), "--device", "cpu"]) == 0
+        with np.load(tmp_path / f"p{i}.npz") as f:
+            np.testing.assert_allclose(f["pred"], want, rtol=1e-6, atol=1e-6)
+    bad = {"none": ({}, "the data gives none"),
+           "nan": ({"conditions": np.array([[np.nan]], np.float32)}, "NaN or inf"),
+           "wide": ({"conditions": np.ones((1, 2), np.float32)}, "conditions of [1, 2]")}
+    for name, (extra, message) in bad.items():
+        np.savez(tmp_path / f"{name}.npz", x=x, **extra)
+        assert main(["infer", str(run), "--data", str(tmp_path / f"{name}.npz"), "--out",
+                     str(tmp_path / "bad.npz"), "--device", "cpu"]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "bad.npz").exists()

@@ -198,8 +198,13 @@ def check_store(predictor: Predictor, samples: StoreSamples, source: str
     layout."""
     run, data = predictor.layout.data_layout, samples.store.layout
     names = list(predictor.layout.condition_names)
-    columns = samples.store.condition_columns(names)   # a renamed condition: a sentence
-    samples = StoreSamples(samples.store, samples.names, columns)
+    missing = [n for n in names if n not in data.condition_names]
+    if missing:
+        raise PredictorError(f"{source}: the run's model is conditioned on {missing}, which "
+                             f"the store does not hold (its conditions: "
+                             f"{data.condition_names or 'none'})")
+    samples = StoreSamples(samples.store, samples.names,
+                           samples.store.condition_columns(names))
     if run is None:
         return samples, True
     if data.association != run.association:
