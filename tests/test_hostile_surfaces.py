@@ -76,11 +76,35 @@ def test_a_copied_run_reads_its_own_checkpoint(tiny_run, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_eval_of_a_run_directory_says_it_is_a_directory(tiny_run, capsys):
-    """`flarepp eval RUN` said "checkpoint 'RUN' does not exist" of a directory that
-    exists: it says that a checkpoint file is wanted."""
-    assert main(["eval", str(tiny_run)]) == 1
-    assert "is a directory; give a checkpoint file" in capsys.readouterr().err
+def test_eval_takes_a_run_directory_as_infer_export_and_load_do(tiny_run, tmp_path):
+    """`flarepp eval RUN` evaluates the run's reported checkpoint: the metrics of `eval
+    RUN/checkpoints/<reported>`. It was refused ("is a directory; give a checkpoint file")
+    where `infer`, `export` and `flarepp.load` take a run directory (issue 41, 24)."""
+    import json
+    reported = RunDir(tiny_run).reported_checkpoint()
+    assert main(["eval", str(tiny_run), "--device", "cpu", "--json",
+                 str(tmp_path / "dir.json")]) == 0
+    assert main(["eval", str(reported), "--device", "cpu", "--json",
+                 str(tmp_path / "file.json")]) == 0
+    by_dir, by_file = (json.loads((tmp_path / f).read_text()) for f in ("dir.json", "file.json"))
+    assert by_dir["test_rel_l2"] == by_file["test_rel_l2"] and by_dir.keys() == by_file.keys()
+    assert main(["eval", str(tmp_path / "absent")]) == 1
+
+
+@pytest.mark.slow
+def test_export_of_a_checkpoint_writes_beside_it_outside_a_run(tiny_run, tmp_path):
+    """`export dir/inner/ckpt.pt` without --out writes dir/inner/model.<format> (beside
+    the checkpoint, as no run holds it), where it wrote into dir/; a run's own checkpoint
+    still exports into the run directory (issue 41, 24)."""
+    inner = tmp_path / "dir" / "inner"
+    inner.mkdir(parents=True)
+    shutil.copy(RunDir(tiny_run).reported_checkpoint(), inner / "ckpt.pt")
+    assert main(["export", str(inner / "ckpt.pt"), "--format", "safetensors"]) == 0
+    assert (inner / "model.safetensors").is_file()
+    assert not (tmp_path / "dir" / "model.safetensors").exists()
+    assert main(["export", str(RunDir(tiny_run).reported_checkpoint()), "--format",
+                 "safetensors"]) == 0
+    assert (tiny_run / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
