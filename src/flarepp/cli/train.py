@@ -197,8 +197,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
-    e.add_argument("checkpoint", help="a run directory (its reported checkpoint) or a "
-                   "checkpoint file")
+    e.add_argument("checkpoint")
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help=f"write the metrics here (same keys as {RunDir.METRICS})")
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
