@@ -349,3 +349,38 @@ def test_write_mesh_refuses_a_source_changed_since_conversion(store_run, tmp_pat
     assert not (tmp_path / "p.npz").exists() and not (out / "test" / "case_0000.vtu").exists()
     assert main(["infer", str(run), "--data", str(store), "--out",
                  str(tmp_path / "p.npz")]) == 0
+
+
+@pytest.mark.slow
+def test_geometry_takes_any_run_of_a_surface_s_centres_and_normals(tmp_path, capsys):
+    """A store converted from surfaces with ``geometry = coordinates, normals`` at cells
+    and nothing else gives a run that ``--geometry new.stl`` predicts (it was told "this
+    is a 'fields' run (use --data)"): the STL's cell centres and unit normals, equal to
+    ``flarepp.load(run).predict`` of them (1e-6), written onto the STL's surface. A
+    failure points to --geometry tied to the surface task rather than to the inputs."""
+    from mesh_files import write_stl, write_vtp
+    from tiny_runs import STORE_TINY
+    from flarepp.data.meshes import cell_geometry, read_mesh
+    cases, store, run = tmp_path / "cases", tmp_path / "store", tmp_path / "run"
+    for i in range(4):
+        write_vtp(cases / "train", f"case_{i}", seed=i)
+    write_vtp(cases / "test", "case_0", seed=4)
+    assert main(["data", "convert", str(cases), "--out", str(store), "--association", "cell",
+                 "--geometry", "coordinates,normals", "--targets", "p", "--test-pattern",
+                 "test/*", "--quiet"]) == 0
+    assert main(["train", "store-tiny", "--data", str(store), "--out", str(run),
+                 *STORE_TINY]) == 0
+    new = write_stl(tmp_path / "new", "part", seed=7)
+    out = tmp_path / "meshes"
+    capsys.readouterr()
+    assert main(["infer", str(run), "--geometry", str(new), "--out", str(tmp_path / "g.npz"),
+                 "--write-mesh", str(out)]) == 0
+    assert " cells in " in capsys.readouterr().out
+    cells = cell_geometry(read_mesh(new), new)
+    want = flarepp.load(run, device="cpu").predict(cells.centres.astype(np.float32),
+                                                   features=cells.normals.astype(np.float32))
+    with np.load(tmp_path / "g.npz") as pred:
+        np.testing.assert_allclose(pred["pred_part"], want, rtol=1e-6, atol=1e-6)
+    written = pv.read(out / "part.vtp")
+    assert written.n_cells == len(want)
+    np.testing.assert_allclose(written.cell_data["pred_p"], want[:, 0], rtol=1e-6, atol=1e-6)
