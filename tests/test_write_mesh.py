@@ -384,3 +384,31 @@ def test_geometry_takes_any_run_of_a_surface_s_centres_and_normals(tmp_path, cap
     written = pv.read(out / "part.vtp")
     assert written.n_cells == len(want)
     np.testing.assert_allclose(written.cell_data["pred_p"], want[:, 0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_that_stored_no_layout_reads_its_store_s(store_run, tmp_path, capsys):
+    """A checkpoint whose data description has no channel layout (written before runs
+    stored one) builds a new mesh's inputs by the layout of the store at the run's
+    recorded data path (the same predictions); with that store gone, --mesh is a sentence
+    naming it. A failure points to the fallback for older runs."""
+    from flarepp.storage.checkpoint import read_checkpoint, save_checkpoint
+    from flarepp.storage.rundir import RunDir
+    cases, store, run = store_run
+    state = read_checkpoint(RunDir(run).reported_checkpoint())
+    del state["data"]["layout"]
+    old = tmp_path / "old.pt"
+    save_checkpoint(old, state)
+    assert flarepp.load(old, device="cpu").layout.data_layout == MeshStore(store).layout
+    mesh = cases / "test" / "case_0001.vtu"
+    for checkpoint, out in ((run, "new.npz"), (old, "old.npz")):
+        assert main(["infer", str(checkpoint), "--mesh", str(mesh), "--out",
+                     str(tmp_path / out)]) == 0
+    with np.load(tmp_path / "new.npz") as new, np.load(tmp_path / "old.npz") as older:
+        np.testing.assert_array_equal(new["pred_case_0001"], older["pred_case_0001"])
+    state["data"]["identity"]["path"] = str(tmp_path / "gone")
+    state["config"]["data_root"] = str(tmp_path / "gone")
+    save_checkpoint(old, state)
+    capsys.readouterr()
+    assert main(["infer", str(old), "--mesh", str(mesh), "--out", str(tmp_path / "x.npz")]) == 2
+    assert "stored no channel layout" in capsys.readouterr().err
