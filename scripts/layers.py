@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Floors from the ground up; a module may import its own floor and those before it.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("flarepp.registry", "flarepp.validate", "flarepp.device", "flarepp.io",
-              "flarepp.paper", "flarepp.allocator", "flarepp.version", "flarepp.threads")),
+              "flarepp.locks", "flarepp.paper", "flarepp.allocator", "flarepp.version",
+              "flarepp.threads")),
     ("ops", ("flarepp.ops",)),
     ("mixers", ("flarepp.mixers",)),
     ("models", ("flarepp.models", "flarepp.rank_growth")),

@@ -169,7 +169,7 @@ def test_a_takeover_guard_left_by_a_dead_taker_does_not_block(tmp_path, monkeypa
 
     _record(path, _holder("a"), heartbeat_age_s=3600)
     guard.write_text(json.dumps(_holder("c").__dict__))  # another host: judged by its age
-    monkeypatch.setattr("flarepp.storage.locks.ACQUIRE_PATIENCE_S", 0.3)
+    monkeypatch.setattr("flarepp.locks.ACQUIRE_PATIENCE_S", 0.3)
     with pytest.raises(RunLocked, match="keeps being replaced"):
         Lease(path, heartbeat=False).acquire()
     then = time.time() - 3600

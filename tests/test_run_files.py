@@ -21,7 +21,7 @@ from flarepp.storage.rundir import RunDir, provenance
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flarepp"
 OWNER = SRC / "storage" / "rundir.py"
-LEASES = SRC / "storage" / "locks.py"  # names the lease file RunDir.LOCK reuses
+LEASES = SRC / "locks.py"  # names the lease file RunDir.LOCK reuses
 
 
 def run_file_patterns() -> list[tuple[re.Pattern, bool]]:
