@@ -407,3 +407,261 @@ def test_a_killed_conversion_resumes_without_rereading_finished_cases(tmp_path):
             for u, v in zip(a.sample(i), b.sample(i)):
                 np.testing.assert_array_equal(u, v)
     assert not [p for p in out.rglob("*") if is_temporary(p.name)]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 41's probe: names, tables, scales, spec values, a second writer, the output
+
+def test_an_array_name_that_is_not_a_plain_file_name_is_a_usage_error(tmp_path, capsys):
+    """A target ``name = "../../../x"`` wrote ``x.npy`` above the store (every sample
+    overwriting it) and ``name = "sub/vm"`` made a store that reported itself changed: a
+    name is stored as ``<sample>/<name>.npy``, so it is one plain file name; anything else
+    is exit 2 naming the spec file and the key, before anything is written."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    spec = tmp_path / "spec.toml"
+    for name in ("../../../x", "sub/vm", str(tmp_path / "abs")):
+        spec.write_text(f'targets = [{{array = "T", name = "{name}"}}]\n')
+        _fails(convert_argv(source, tmp_path / "a" / "b" / "store", "--spec", str(spec)),
+               capsys, str(spec), "targets[0] name", "not a plain file name", code=2)
+    assert sorted(p.name for p in tmp_path.rglob("*.npy")) == []
+    assert not (tmp_path / "a").exists()
+
+
+def _xdmf_case(folder, binary):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "case.xdmf").write_text(textwrap.dedent(f"""\
+        <?xml version="1.0"?>
+        <Xdmf Version="3.0"><Domain><Grid Name="mesh" GridType="Uniform">
+        <Topology TopologyType="Triangle" NumberOfElements="2">
+        <DataItem Dimensions="2 3" DataType="Int" Format="XML">0 1 2 1 3 2</DataItem></Topology>
+        <Geometry GeometryType="XYZ"><DataItem Dimensions="4 3" Precision="8"
+         Format="XML">0 0 0 1 0 0 0 1 0 1 1 0</DataItem></Geometry>
+        <Attribute Name="T" AttributeType="Scalar" Center="Node"><DataItem Dimensions="4"
+         DataType="Float" Precision="8" Format="Binary">{binary}</DataItem></Attribute>
+        </Grid></Domain></Xdmf>
+        """))
+    return folder / "case.xdmf"
+
+
+def test_an_xdmf_data_item_is_read_from_its_case_directory_only(tmp_path, capsys):
+    """An XDMF ``Binary`` data item pulled any local file into the store: an absolute path
+    anywhere, or a relative one from the working directory (meshio's reading). It is read
+    relative to the case's file (as XDMF defines, and as meshio reads HDF5 items), or at an
+    absolute path inside the case's directory; one leading elsewhere is refused, naming
+    the case and the item, and nothing is written."""
+    values = np.array([5.0, 6.0, 7.0, 8.0])
+    inside = tmp_path / "inside"
+    values.tofile(_xdmf_case(inside, "T.bin").with_name("T.bin"))
+    assert run(convert_argv(inside, tmp_path / "s1", "--targets", "T"), capsys)[0] == 0
+    np.testing.assert_array_equal(MeshStore(tmp_path / "s1").split("train").sample(0)[1][:, 0],
+                                  values)
+    (inside / "case.xdmf").unlink()
+    _xdmf_case(inside, str(inside / "T.bin"))   # meshio's writer names the absolute path
+    assert run(convert_argv(inside, tmp_path / "s2", "--targets", "T"), capsys)[0] == 0
+    secret = tmp_path / "secret.bin"
+    values.tofile(secret)
+    for binary in (str(secret), "../secret.bin"):
+        case = _xdmf_case(tmp_path / f"out_{len(binary)}", binary)
+        _fails(convert_argv(case.parent, tmp_path / "s3", "--targets", "T"), capsys,
+               str(case), "the Binary data item's file", "its own directory")
+    values.tofile("T.bin")          # in the working directory, beside no case
+    case = _xdmf_case(tmp_path / "cwd_case", "T.bin")
+    _fails(convert_argv(case.parent, tmp_path / "s3", "--targets", "T"), capsys,
+           str(case), "No such file")
+    assert not list((tmp_path / "s3").rglob("*.npy"))
+
+
+@pytest.mark.parametrize("table, said", [
+    ("case,load\ncase_0,1\ncase_1,2\ncase_0,9\n", "case 'case_0' is given twice (lines 2 and 4)"),
+    ('{"case_0": {"load": 1}, "case_1": {"load": 2}, "case_0": {"load": 9}}',
+     "key 'case_0' is given twice in one object"),
+    ("case,load\ncase_0,1,5\ncase_1,2\n", "line 2 has 3 value(s) for the 2 columns"),
+    ("case,load,speed\ncase_0,1\ncase_1,2,3\n", "line 2 has 2 value(s) for the 3 columns"),
+    ('{"case_0": {"load": true}, "case_1": {"load": 2}}',
+     "condition 'load' of case 'case_0' is True, not a number"),
+])
+def test_a_condition_table_that_says_two_things_is_refused(table, said, tmp_path, capsys):
+    """A repeated case (CSV row or JSON key) silently took its last row, ``case_0,1,5``
+    was read as 1 and JSON ``true`` as 1.0: each is a sentence naming the table and the
+    line or key, and no store is written."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    name = "table.json" if table.startswith("{") else "table.csv"
+    (source / name).write_text(table)
+    _fails(convert_argv(source, tmp_path / "s", "--targets", "T", "--conditions", "load",
+                        "--condition-table", name), capsys, str(source / name), said)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_table_row_by_stem_that_fits_several_cases_is_refused(tmp_path, capsys):
+    """A row keyed ``case_0`` gave its conditions to both ``train/case_0`` and
+    ``test/case_0``; it is refused, naming both; rows by full name are taken, and a stem
+    that fits one case still works."""
+    source = tmp_path / "src"
+    cases(source / "train", 2, T=lambda m, i: point_field(m.points))
+    cases(source / "test", 1, T=lambda m, i: point_field(m.points))
+    (source / "t.csv").write_text("case,load\ncase_0,7\ncase_1,8\n")
+    argv = convert_argv(source, tmp_path / "s", "--targets", "T", "--conditions", "load",
+                        "--condition-table", "t.csv", "--test-pattern", "test/*")
+    _fails(argv, capsys, str(source / "t.csv"), "row 'case_0' names the cases 'test/case_0' "
+           "and 'train/case_0' by their file's stem", "full name")
+    (source / "t.csv").write_text("case,load\ntrain/case_0,7\ntest/case_0,6\ncase_1,8\n")
+    assert run(argv, capsys)[0] == 0
+    samples = MeshStore(tmp_path / "s").samples
+    assert [samples[n]["conditions"] for n in ("train/case_0", "test/case_0",
+                                               "train/case_1")] == [[7.0], [6.0], [8.0]]
+
+
+@pytest.mark.parametrize("scale, key, said, code", [
+    ("1e39", "targets", "beyond the range of float32", 1),
+    ("1e-50", "targets", "below the smallest normal float32", 1),
+    ("1e39", "conditions", "beyond the range of float32", 1),
+    ("nan", "targets", "'scale' must be a finite non-zero number, got nan", 2),
+    ("inf", "targets", "'scale' must be a finite non-zero number, got inf", 2),
+])
+def test_a_unit_scale_the_store_cannot_keep_is_refused(scale, key, said, code, tmp_path,
+                                                       capsys):
+    """A scale of 1e39 stored inf and 1e-50 zeros with exit 0, and ``scale = nan`` was
+    reported as NaN in the file's array: the store keeps float32, so a scaled array
+    beyond its range, or all below its smallest normal number, is a sentence naming the
+    spec's key (exit 1); a scale that is not finite is a usage error naming it (exit 2)."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    spec = tmp_path / "spec.toml"
+    scaled = {"targets": f'targets = [{{array = "T", scale = {scale}}}]\n',
+              "conditions": f'targets = ["T"]\nconditions = [{{array = "load", scale = '
+                            f'{scale}}}]\n'}
+    spec.write_text(scaled[key])
+    _fails(convert_argv(source, tmp_path / "s", "--spec", str(spec)), capsys, said,
+           f"{key}[0]" if code == 2 else f"the spec's {key}[0].scale", code=code)
+    assert not list(tmp_path.rglob("*.npy"))
+
+
+@pytest.mark.parametrize("text, said", [
+    ('targets = ["T"]\ndimensions = 3.0\n', "dimensions must be the integer 2 or 3, got 3.0"),
+    ('targets = ["T"]\npattern = "/x/*"\n', "pattern '/x/*' is not a relative path"),
+    ('targets = ["T"]\npattern = "../*.vtu"\n', "pattern '../*.vtu' is not a relative path"),
+    ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "nested thousands of levels deep"),
+])
+def test_spec_values_that_passed_the_checks_are_usage_errors(text, said, tmp_path, capsys):
+    """``dimensions = 3.0`` ended in a TypeError, ``pattern = "/x/*"`` in pathlib's
+    NotImplementedError, a 100k-deep TOML in a RecursionError: each is one sentence naming
+    the spec file and the key (exit 2)."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text)
+    _fails(convert_argv(source, tmp_path / "s", "--spec", str(spec)), capsys, str(spec), said,
+           code=2)
+
+
+def test_a_one_file_source_warns_that_the_test_split_is_empty(tmp_path, capsys):
+    """One case gave a store with an empty test split without a word (training then failed
+    on KeyError 'ref_norm'): the store is written, with a warning saying so and how to
+    give it test cases."""
+    source = cases(tmp_path / "src", 1, T=lambda m, i: point_field(m.points))
+    code, _, err = run(convert_argv(source / "case_0.vtu", tmp_path / "s", "--targets", "T"),
+                       capsys)
+    assert code == 0 and "warning: the store's test split is empty" in err
+    assert "--test-pattern" in err and MeshStore(tmp_path / "s").splits["test"] == []
+
+
+def test_overwrite_deletes_only_what_a_store_consists_of(tmp_path, capsys):
+    """``--overwrite`` on a folder holding a ``convert.json`` deleted the whole folder, its
+    other files included, and on a symlinked ``--out`` failed with shutil's words. It
+    deletes only the store's own files (refusing, and deleting nothing, while the folder
+    holds others) and keeps a link a link."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    out = tmp_path / "s"
+    assert run(convert_argv(source, out, "--targets", "T"), capsys)[0] == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "case_0" / "plot.png").write_text("mine too")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    _fails(convert_argv(source, out, "--targets", "T", "--conditions", "load", "--overwrite"),
+           capsys, "holds files a store does not ('notes.txt' and 1 more)",
+           "--overwrite deletes only a store's own files")
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    (out / "notes.txt").unlink()
+    (out / "case_0" / "plot.png").unlink()
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    assert run(convert_argv(source, link, "--targets", "T", "--conditions", "load",
+                            "--overwrite"), capsys)[0] == 0
+    assert link.is_symlink() and MeshStore(out).layout.condition_names == ["load"]
+
+
+def test_a_second_conversion_into_a_store_being_written_is_refused(tmp_path, capsys):
+    """Two conversions of one ``--out`` at once could both exit 0 and leave samples of two
+    specs (two unit scales) under one manifest, or one died on the other's temporaries:
+    the store is written under its lease (``STORE/.lock``), so the second is refused,
+    naming the first, and leaves the store as it was."""
+    from flarepp.data.store import StoreWriter
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    out = tmp_path / "s"
+    with StoreWriter(out, {"spec": "the first"}):
+        _fails(convert_argv(source, out, "--targets", "T"), capsys,
+               f"{str(out / '.lock')!r} is held by process {os.getpid()}",
+               f"it is writing the store {str(out)!r}: wait for it to finish")
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "convert.json"]
+    assert run(convert_argv(source, out, "--targets", "T"), capsys)[0] == 0
+
+
+def test_verify_finds_samples_of_another_conversion(tmp_path, capsys):
+    """A store whose manifest lists a sample another conversion wrote (another unit scale:
+    its bytes and recorded digests agree) passed `data check --verify`: each sample's own
+    ``meta.json`` records the conversion that wrote it, and verify refuses the mix."""
+    import json
+    import shutil
+    source = cases(tmp_path / "src", 3, T=lambda m, i: point_field(m.points))
+    for out, scale in (("a", 1.0), ("b", 1000.0)):
+        convert(source, tmp_path / out, parse_spec(
+            {"targets": [{"array": "T", "scale": scale}]}), progress=False)
+    a = tmp_path / "a"
+    shutil.rmtree(a / "case_1")
+    shutil.copytree(tmp_path / "b" / "case_1", a / "case_1")
+    manifest = json.loads((a / "manifest.json").read_text())
+    manifest["samples"]["case_1"] = json.loads((tmp_path / "b" / "manifest.json").read_text()
+                                               )["samples"]["case_1"]
+    (a / "manifest.json").write_text(json.dumps(manifest))
+    assert run(["data", "check", str(a)], capsys)[0] == 0     # sizes and digests agree
+    _fails(["data", "check", str(a), "--verify"], capsys, "case_1/meta.json",
+           "written by another conversion", "layout and identity differ",
+           "mixes two conversions")
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_convert_names_the_file(tmp_path):
+    """A full disk during conversion printed numpy's "requested and written" without the
+    file, and an array smaller than C's write buffer was left truncated with no error at
+    all (numpy's ``tofile`` does not report a failed flush): the kernel's file-size limit
+    refuses the write as a full disk does; the sentence names the array being written, no
+    sample is finished and no temporary is left."""
+    source = tmp_path / "src"
+    source.mkdir()
+    mesh = volume_mesh(0, n=8)                  # 243 points: 3 KB of coordinates
+    mesh.point_data["T"] = point_field(mesh.points)
+    mesh.save(source / "case_0.vtu")
+    out = tmp_path / "s"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import resource, signal, sys
+        from flarepp.cli import main
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+        sys.exit(main(["data", "convert", {str(source)!r}, "--out", {str(out)!r},
+                       "--targets", "T", "--quiet"]))
+    """)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{out}/case_0/coordinates.npy: File too large" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(out.rglob("meta.json"))
+    assert not [p for p in out.rglob("*") if is_temporary(p.name)]
+
+
+@pytest.mark.slow
+def test_a_closed_output_is_not_an_error_of_convert(tmp_path):
+    """`flarepp data convert ... | head` exited 1 ("Broken pipe") after writing a complete
+    store: a reader that closes the output is not an error of the conversion."""
+    source = cases(tmp_path / "src", 2, T=lambda m, i: point_field(m.points))
+    proc = subprocess.Popen([sys.executable, "-m", "flarepp", "data", "convert", str(source),
+                             "--out", str(tmp_path / "s"), "--targets", "T", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                  # the reader goes away before anything is printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert err == "" and len(MeshStore(tmp_path / "s").samples) == 2

@@ -42,9 +42,9 @@ def test_a_store_of_no_sample_yet_is_replaced_by_another_spec(tmp_path):
     otherwise ... --overwrite"). With nothing to lose it is replaced; a store holding
     samples is still refused."""
     root = tmp_path / "store"
-    StoreWriter(root, {"spec": "misspelt"})
-    writer = StoreWriter(root, {"spec": "corrected"})
-    writer.write("train/a", {"u": np.zeros((3, 1), np.float32)}, {"source": {}})
+    StoreWriter(root, {"spec": "misspelt"}).close()
+    with StoreWriter(root, {"spec": "corrected"}) as writer:
+        writer.write("train/a", {"u": np.zeros((3, 1), np.float32)}, {"source": {}})
     with pytest.raises(DataError, match="holds a store made otherwise"):
         StoreWriter(root, {"spec": "another"})
 

@@ -525,3 +525,37 @@ def test_a_link_out_of_the_directory_is_refused_and_plain_names_pass(tmp_path):
     with pytest.raises(UnsafeName, match="symbolic link"):
         confined(root, "out/x", what="sample")
     assert confined(root, "in/x") == root / "in" / "x"
+
+
+def test_a_flat_name_is_one_plain_part(tmp_path):
+    """A name stored as one file (a spec's array name, ``<sample>/<name>.npy``) has no
+    ``/``: ``sub/vm`` made a store that reported itself changed."""
+    from flarepp.io import UnsafeName, check_name, confined
+    assert confined(tmp_path, "vm.npy", flat=True) == tmp_path / "vm.npy"
+    with pytest.raises(UnsafeName, match="'sub/vm' is not a plain file name"):
+        check_name("sub/vm", what="array name", flat=True)
+
+
+def test_a_short_write_without_errno_names_the_file(tmp_path):
+    """numpy's ``tofile`` reports a failed write as ``OSError("8 requested and 0
+    written")``, no errno and no file: the atomic writer names the target and says what
+    stops a write short; nothing is left."""
+    from flarepp.io import atomic_write
+
+    def short(tmp):
+        raise OSError("8 requested and 0 written")
+    with pytest.raises(OSError) as failed:
+        atomic_write(tmp_path / "a.npy", short)
+    assert failed.value.filename == str(tmp_path / "a.npy")
+    assert "the write stopped short (8 requested and 0 written)" in failed.value.strerror
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_nested_too_deeply_is_an_unreadable_file(tmp_path):
+    """A manifest or run file of arrays nested 100k deep raised RecursionError: it is an
+    :class:`UnreadableFile` naming the file."""
+    from flarepp.io import UnreadableFile, read_json
+    path = tmp_path / "manifest.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UnreadableFile, match="manifest.json: JSON nested too deeply"):
+        read_json(path)

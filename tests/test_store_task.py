@@ -1,9 +1,12 @@
 """The fields task on a store: the same task as on the same data in memory, random point
 subsets per step with evaluation on every point, per-sample conditions into a conditioned
-model, the layout in checkpoints, the DrivAerML cache as a store."""
+model, the layout in checkpoints, the DrivAerML cache as a store; a store's manifest edited
+by hand, and a store without test samples, refused in a sentence."""
 
 from __future__ import annotations
 
+import copy
+import json
 import warnings
 
 import numpy as np
@@ -297,3 +300,79 @@ def test_infer_of_an_npz_takes_per_sample_conditions(store_run, tmp_path, capsys
         assert main(["infer", str(run), "--data", str(tmp_path / f"{name}.npz"), "--out",
                      str(tmp_path / "bad.npz"), "--device", "cpu"]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "bad.npz").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a manifest edited by hand, a store without test samples
+
+MANIFEST_EDITS = {
+    "no layout": (lambda m: m.pop("layout"), "'layout' is None, not an object"),
+    "layout a list": (lambda m: m.update(layout=[]), "'layout' is [], not an object"),
+    "inputs not a list": (lambda m: m["layout"].update(inputs=3), "layout.inputs is 3"),
+    "group without channels": (lambda m: m["layout"]["targets"][0].pop("channels"),
+                               "layout.targets[0] is not a channel group"),
+    "group scale a string": (lambda m: m["layout"]["targets"][0].update(scale="x"),
+                             "layout.targets[0] is not a channel group"),
+    "no splits": (lambda m: m.pop("splits"), "'splits' is None, not an object"),
+    "splits a list": (lambda m: m.update(splits=[]), "'splits' is [], not an object"),
+    "a split naming no sample": (lambda m: m["splits"]["train"].append("nope"),
+                                 "splits['train'] names 'nope', which is not one of its"),
+    "no samples": (lambda m: m.pop("samples"), "'samples' is None, not an object"),
+    "a sample not an object": (lambda m: m["samples"].update({"train/case_0": 5}),
+                               "samples['train/case_0'] is 5, not an object"),
+    "rows a string": (lambda m: m["samples"]["train/case_0"].update(rows="x"),
+                      "samples['train/case_0'].rows is 'x', not a positive integer"),
+    "rows -5": (lambda m: m["samples"]["train/case_0"].update(rows=-5),
+                "samples['train/case_0'].rows is -5, not a positive integer"),
+    "conditions ragged": (lambda m: m["samples"]["train/case_0"].update(conditions=[[1], 2]),
+                          "samples['train/case_0'].conditions is [[1], 2], not a list of 1"),
+    "no stored": (lambda m: m["samples"]["train/case_0"].pop("stored"),
+                  "samples['train/case_0'].stored is None"),
+    "a stored record without bytes": (
+        lambda m: m["samples"]["train/case_0"]["stored"]["u"].pop("bytes"),
+        "samples['train/case_0'].stored['u'] is not an array record"),
+    "an array of the layout not stored": (
+        lambda m: m["samples"]["train/case_0"]["stored"].pop("u"),
+        "samples['train/case_0'].stored has no record of array 'u'"),
+    "a digest not hexadecimal": (lambda m: m["samples"]["train/case_0"].update(digest="zz"),
+                                 "samples['train/case_0'].digest is 'zz'"),
+    "a sample named '.'": (lambda m: m["samples"].update({".": m["samples"]["train/case_0"]}),
+                           "sample name '.' is not a relative path inside"),
+    "a sample named manifest.json": (
+        lambda m: m["samples"].update({"manifest.json": m["samples"]["train/case_0"]}),
+        "'manifest.json' cannot name a sample: it is a file of the store"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_manifest_edited_by_hand_is_one_sentence(edit, data, capsys):
+    """Hand-edited manifests gave KeyError, AttributeError and TypeError tracebacks in
+    `data check`, numpy's words without the file, or were accepted (``rows: -5``; a sample
+    named ``.``, whose write-mesh file landed beside the output directory): each form is
+    one sentence naming ``manifest.json`` and the key, exit 1, from `data check`, and the
+    same error from the loader `train` uses."""
+    from flarepp.cli import main
+    from flarepp.data.store import load_store
+    store, _, _ = data
+    path = store.root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change, said = MANIFEST_EDITS[edit]
+    edited = copy.deepcopy(manifest)
+    change(edited)
+    path.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert main(["data", "check", str(store.root)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(path) in err and said in err, err
+    with pytest.raises(DataError, match="manifest.json"):
+        load_store(store.root)
+
+
+def test_a_store_without_test_samples_is_refused_before_training(tmp_path):
+    """A store of one case has an empty test split; `train` trained on it and failed
+    afterwards on KeyError 'ref_norm', keeping no checkpoint. The task refuses it before
+    any training, naming the split and how to give it test samples."""
+    store = write_store(tmp_path / "store", {"train": make_samples([30, 41], 0), "test": []})
+    with pytest.raises(DataError, match=r"test split is empty.* --test-pattern"):
+        build_task(config(store.root), store.root)

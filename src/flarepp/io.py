@@ -79,6 +79,18 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _named(err: OSError, path: Path) -> OSError:
+    """``err`` of a write to ``path`` as an ``OSError`` naming ``path``; numpy's short write
+    (``"8 requested and 0 written"``, no errno) says what stops a write short."""
+    if err.errno is not None:
+        return OSError(err.errno, err.strerror, str(path))
+    text = str(err)
+    if "requested and" in text:
+        text = (f"the write stopped short ({text}): the file system or the quota is full, "
+                "or a file-size limit was reached")
+    return OSError(errno.EIO, text, str(path))
+
+
 def atomic_write_all(files: Mapping[str | Path, Writer]) -> list[Path]:
     """Write several files all-or-nothing up to the renames; returns their paths.
 
@@ -97,10 +109,10 @@ def atomic_write_all(files: Mapping[str | Path, Writer]) -> list[Path]:
                 write(tmp)
                 _fsync_file(tmp)
             except OSError as err:
-                if err.filename is not None or err.errno is None:
+                if err.filename is not None:
                     raise
                 # a failed write() (ENOSPC, EFBIG) names no file: name the target
-                raise OSError(err.errno, err.strerror, str(path)) from err
+                raise _named(err, path) from err
         for tmp, path in staged:
             os.replace(tmp, path)
         for directory in {path.parent for _, path in staged}:
@@ -141,6 +153,16 @@ def atomic_write_npz(path: str | Path, arrays: Mapping[str, Any], *,
         with open(tmp, "wb") as f:   # a file object: numpy would append ".npz" to a name
             save(f, **arrays)
     return atomic_write(path, write)
+
+
+def save_npy(handle: Any, array: Any) -> None:
+    """``array`` as ``.npy`` into the open binary file ``handle``, through its ``write``.
+    (``numpy.save`` to a file object writes the data with ``tofile``, through a C stdio
+    buffer whose failed flush it does not report: a full disk or a file-size limit then left
+    a truncated array and no error. Python's writes raise ``OSError`` with its errno.)"""
+    import types
+    import numpy as np
+    np.save(types.SimpleNamespace(write=handle.write), array, allow_pickle=False)
 
 
 def append_line(path: str | Path, line: str) -> None:
@@ -204,6 +226,9 @@ def read_json(path: str | Path) -> Any:
     except UnicodeDecodeError as err:
         raise UnreadableFile(f"{path}: not UTF-8 text (byte {err.start}), so not JSON") \
             from None
+    except RecursionError:
+        raise UnreadableFile(f"{path}: JSON nested too deeply to be read (arrays or objects "
+                             "within each other thousands of levels deep)") from None
 
 
 def read_json_lines(path: str | Path) -> list[Any]:
@@ -231,25 +256,40 @@ class UnsafeName(ValueError):
     directory it belongs in."""
 
 
-def confined(root: str | Path, name: Any, *, what: str = "name") -> Path:
-    """``root / name`` for a ``name`` that becomes a path (a spec's target name, a store's
-    sample or group name, a case name, a study point, a file written beside others), never
-    outside ``root``: ``name`` is a relative path of plain parts separated by ``/`` -- none
-    empty, ``.`` or ``..``, no backslash, NUL or control character, not absolute -- and no
-    part of it that exists under ``root`` is a symbolic link leading out of ``root``.
-    Anything else is :class:`UnsafeName`, one sentence naming ``what`` and the name. Every
-    entry point that turns a read name into a path goes through here."""
+def check_name(name: Any, *, what: str = "name", flat: bool = False,
+               inside: str = "its directory") -> list[str]:
+    """The parts of ``name`` when it is a relative path of plain parts separated by ``/``
+    (one part with ``flat``: a file name) -- none empty, ``.`` or ``..``, no backslash,
+    NUL or control character, not absolute; :class:`UnsafeName` otherwise, one sentence
+    naming ``what``, the name and where it belongs (``inside``). The checks of
+    :func:`confined` that need no file system, for names checked before their directory is
+    known (a spec's array names)."""
     if not isinstance(name, str):
-        raise UnsafeName(f"{what} {name!r} is not a string: a name inside {str(root)!r} is a "
+        raise UnsafeName(f"{what} {name!r} is not a string: a name inside {inside} is a "
                          "relative path of plain parts separated by '/'")
     parts = name.split("/")
     bad = (not name or name.startswith("/")
            or any(part in ("", ".", "..") or "\\" in part
                   or any(ord(ch) < 32 or ord(ch) == 127 for ch in part) for part in parts))
+    if flat and (bad or len(parts) > 1):
+        raise UnsafeName(f"{what} {name!r} is not a plain file name inside {inside} (one "
+                         "part: no '/', not empty, '.' or '..', no backslash or control "
+                         "character)")
     if bad:
-        raise UnsafeName(f"{what} {name!r} is not a relative path inside {str(root)!r} "
+        raise UnsafeName(f"{what} {name!r} is not a relative path inside {inside} "
                          "(parts separated by '/', none empty, '.' or '..', no backslash or "
                          "control character)")
+    return parts
+
+
+def confined(root: str | Path, name: Any, *, what: str = "name", flat: bool = False) -> Path:
+    """``root / name`` for a ``name`` that becomes a path (a spec's target name, a store's
+    sample or group name, a case name, a study point, a file written beside others), never
+    outside ``root``: ``name`` passes :func:`check_name` (``flat``: a single part) and no
+    part of it that exists under ``root`` is a symbolic link leading out of ``root``.
+    Anything else is :class:`UnsafeName`, one sentence naming ``what`` and the name. Every
+    entry point that turns a read name into a path goes through here."""
+    parts = check_name(name, what=what, flat=flat, inside=repr(str(root)))
     root = Path(root)
     path = root.joinpath(*parts)
     top = root.resolve()
@@ -264,5 +304,5 @@ def confined(root: str | Path, name: Any, *, what: str = "name") -> Path:
 
 __all__ = ["UnreadableFile", "UnsafeName", "append_line", "atomic_write", "atomic_write_all",
            "atomic_write_bytes", "atomic_write_json", "atomic_write_npz", "atomic_write_text",
-           "confined", "fsync_directory", "is_temporary", "read_json", "read_json_lines",
-           "require_room"]
+           "check_name", "confined", "fsync_directory", "is_temporary", "read_json",
+           "read_json_lines", "require_room", "save_npy"]

@@ -4,9 +4,10 @@ and ``flarepp data check {STORE | NAME PATH}``."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, parse_scalar
+from flarepp.cli import CLIError, parse_scalar, say
 
 
 def _positive(text: str) -> int:
@@ -103,13 +104,15 @@ def _convert(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec, flags)
     report = convert(args.source, args.out, spec, overwrite=args.overwrite,
                      progress=not args.quiet)
+    for warning in report.warnings:
+        print(f"flarepp data convert: warning: {warning}", file=sys.stderr)
     rate = report.rows / report.seconds if report.seconds > 0 and report.read else 0.0
-    print(f"converted {report.read} case(s) ({report.reused} finished earlier), "
-          f"{report.rows} {spec.association}s in {report.seconds:.1f} s ({rate:,.0f} "
-          f"{spec.association}s/s) into {args.out}")
-    print("\n".join(report.store.describe()))
-    print(f"train with: flarepp train store-tiny --data {args.out}"
-          + ("   (conditions: store-conditioned-tiny)" if spec.conditions else ""))
+    say(f"converted {report.read} case(s) ({report.reused} finished earlier), "
+        f"{report.rows} {spec.association}s in {report.seconds:.1f} s ({rate:,.0f} "
+        f"{spec.association}s/s) into {args.out}")
+    say("\n".join(report.store.describe()))
+    say(f"train with: flarepp train store-tiny --data {args.out}"
+        + ("   (conditions: store-conditioned-tiny)" if spec.conditions else ""))
     return 0
 
 

@@ -20,7 +20,10 @@ A killed conversion leaves finished samples (``meta.json`` written) and at worst
 without ``meta.json``; running the same command again reads only the cases not finished
 (a finished case is recognised by its source file's size, time and sampled digest, no
 read of the mesh) and rewrites the unfinished one. Until the manifest is written, no
-reader takes the store.
+reader takes the store. A conversion holds the store's lease while it writes (a second
+one into the same store is refused, naming it); every name that becomes a path (an
+array's name, a case's, a table's case, an XDMF data item's file, the spec's pattern) is
+confined to its directory (:func:`flarepp.io.confined`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +44,7 @@ from flarepp.data.layout import ChannelGroup, ChannelLayout, channel_names
 from flarepp.data.meshes import MESH_FORMATS, cell_geometry, format_of, read_mesh
 from flarepp.data.spec import ArraySpec, ConversionSpec, SpecError
 from flarepp.data.store import MeshStore, StoreWriter
+from flarepp.io import UnsafeName, check_name, confined
 
 GEOMETRY_SOURCE = {"coordinates": {"point": "point positions", "cell": "cell centres"},
                    "normals": {"cell": "cell unit normals"}, "areas": {"cell": "cell areas"},
@@ -95,6 +99,11 @@ def find_cases(source: str | Path, spec: ConversionSpec) -> list[Case]:
                             "files")
         return [Case(source.stem, source, fmt)]
     pattern = spec.pattern or "*"
+    if spec.pattern is not None:   # a glob under the source: no link planted there leads out
+        try:
+            confined(source, spec.pattern, what="the spec's pattern (--pattern)")
+        except UnsafeName as err:
+            raise SpecError(str(err)) from None
     files = [p for p in sorted(source.rglob(pattern)) if p.is_file()
              and not any(part.startswith(".") for part in p.relative_to(source).parts)
              and format_of(p) is not None]
@@ -133,48 +142,103 @@ def _suffixes() -> list[str]:
 
 def read_condition_table(path: str | Path, names: list[str]) -> dict[str, dict[str, float]]:
     """``{case: {condition: value}}`` from a CSV (a header row, the case in a column named
-    ``case``) or a JSON object ``{case: {condition: value}}``."""
+    ``case``, one value per column on every row) or a JSON object ``{case: {condition:
+    value}}``. A case given twice, a row of another length than the header, a value that is
+    not a number (``true`` included) or a case that no source could hold (``../x``, an
+    absolute path) is a :class:`DataError` naming the table, the case and the line or key."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"condition table {str(path)!r} does not exist")
-    rows: dict[str, dict[str, Any]] = {}
-    if path.suffix.lower() == ".json":
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise DataError(f"{path}: not a JSON table of conditions ({err})") from None
-        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-            raise DataError(f"{path}: a JSON condition table is an object {{case: {{name: "
-                            "value}}}}")
-        rows = {str(k): v for k, v in raw.items()}
-    else:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None or "case" not in reader.fieldnames:
-                raise DataError(f"{path}: a CSV condition table needs a header row with a "
-                                f"'case' column, got {reader.fieldnames}")
-            for line, row in enumerate(reader, start=2):
-                rows[row.pop("case")] = {k: v for k, v in row.items() if k is not None}
+    rows = _json_table(path) if path.suffix.lower() == ".json" else _csv_table(path)
     out: dict[str, dict[str, float]] = {}
     for case, values in rows.items():
+        try:
+            check_name(case, what=f"{path}: case", inside="the source")
+        except UnsafeName as err:
+            raise DataError(f"{err}; a row names a case by its path under the source") \
+                from None
         out[case] = {}
         for name in names:
-            if name not in values or values[name] in (None, ""):
+            value = values.get(name)
+            if value is None or value == "":
                 continue
             try:
-                out[case][name] = float(values[name])
+                if isinstance(value, bool):
+                    raise TypeError
+                out[case][name] = float(value)
             except (TypeError, ValueError):
                 raise DataError(f"{path}: condition {name!r} of case {case!r} is "
-                                f"{values[name]!r}, not a number") from None
+                                f"{value!r}, not a number") from None
     return out
 
 
-def _table_row(table: dict[str, dict[str, float]], case: Case) -> dict[str, float] | None:
-    """The table's row for ``case``: by its name, else by its file's stem."""
-    if case.name in table:
-        return table[case.name]
-    stem = Path(case.name).name
-    return table.get(stem)
+def _json_table(path: Path) -> dict[str, dict[str, Any]]:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        twice = [k for k in keys if keys.count(k) > 1]
+        if twice:
+            raise DataError(f"{path}: key {twice[0]!r} is given twice in one object (a "
+                            "case, or a condition of a case, has one value)")
+        return dict(pairs)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not a JSON table of conditions ({err})") from None
+    except RecursionError:
+        raise DataError(f"{path}: not a JSON table of conditions (nested thousands of "
+                        "levels deep)") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise DataError(f"{path}: a JSON condition table is an object {{case: {{name: "
+                        "value}}}}")
+    return raw
+
+
+def _csv_table(path: Path) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    first: dict[str, int] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames
+        if header is None or "case" not in header:
+            raise DataError(f"{path}: a CSV condition table needs a header row with a "
+                            f"'case' column, got {header}")
+        for row in reader:
+            line = reader.line_num
+            extra, values = row.pop(None, []), list(row.values())
+            if extra or None in values:
+                count = len(values) - values.count(None) + len(extra)
+                raise DataError(f"{path}: line {line} has {count} value(s) for the "
+                                f"{len(header)} columns of its header {header}")
+            case = row.pop("case")
+            if case in rows:
+                raise DataError(f"{path}: case {case!r} is given twice (lines {first[case]} "
+                                f"and {line})")
+            rows[case], first[case] = row, line
+    return rows
+
+
+def table_rows(table: dict[str, dict[str, float]], cases: list[Case], path: str | Path
+               ) -> dict[str, dict[str, float]]:
+    """Each case's row of the condition table at ``path``: the row of its name, else of its
+    file's stem; a stem row that would serve several cases (``train/case_0`` and
+    ``test/case_0``) is a :class:`DataError` naming them."""
+    out: dict[str, dict[str, float]] = {}
+    by_stem: dict[str, list[str]] = {}
+    for case in cases:
+        if case.name in table:
+            out[case.name] = table[case.name]
+            continue
+        stem = Path(case.name).name
+        if stem in table:
+            by_stem.setdefault(stem, []).append(case.name)
+            out[case.name] = table[stem]
+    for stem, names in by_stem.items():
+        if len(names) > 1:
+            more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+            raise DataError(f"{path}: row {stem!r} names the cases {names[0]!r} and "
+                            f"{names[1]!r}{more} by their file's stem; name each row by its "
+                            "case's full name")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,8 +262,28 @@ def _check_finite(values: np.ndarray, path: Path, what: str) -> None:
                         f"{int(rows[0])}")
 
 
-def _data_array(mesh, path: Path, spec: ArraySpec, association: str, n: int) -> np.ndarray:
-    """Array ``spec.array`` at ``association`` as ``[n, k]`` float64, times its scale."""
+FLOAT32_MAX, FLOAT32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+
+
+def _check_float32(values: np.ndarray, path: Path, what: str, key: str) -> None:
+    """Refuse values that float32, the store's type, cannot keep: beyond its range (they
+    would be stored as inf) or all below its smallest normal number (stored as 0 or with
+    their digits lost) where the source is not all zero; ``key`` names the spec's scale."""
+    big = float(np.abs(values).max()) if values.size else 0.0
+    if big > FLOAT32_MAX:
+        raise DataError(f"{path}: {what} times its scale reaches {big:.3g}, beyond the range "
+                        f"of float32 that the store keeps ({FLOAT32_MAX:.3g}); lower the "
+                        f"spec's {key}")
+    if 0 < big < FLOAT32_TINY:
+        raise DataError(f"{path}: {what} times its scale is at most {big:.3g}, below the "
+                        f"smallest normal float32 ({FLOAT32_TINY:.3g}), so the store would keep "
+                        f"zeros; raise the spec's {key}")
+
+
+def _data_array(mesh, path: Path, spec: ArraySpec, association: str, n: int,
+                key: str = "scale") -> np.ndarray:
+    """Array ``spec.array`` at ``association`` as ``[n, k]`` float64, times its scale
+    (``key``: the spec's key of that scale, for errors)."""
     here = mesh.point_data if association == "point" else mesh.cell_data
     other = mesh.cell_data if association == "point" else mesh.point_data
     if spec.array not in here.keys():
@@ -223,14 +307,17 @@ def _data_array(mesh, path: Path, spec: ArraySpec, association: str, n: int) -> 
                         "need one row per point or cell each)")
     values = values.reshape(n, -1).astype(np.float64) * spec.scale
     _check_finite(values, path, f"array {spec.array!r}")
+    _check_float32(values, path, f"array {spec.array!r}", key)
     return values
 
 
 def _conditions(mesh, case: Case, spec: ConversionSpec,
-                table: dict[str, dict[str, float]] | None) -> list[float]:
-    row = None if table is None else _table_row(table, case)
+                rows: dict[str, dict[str, float]] | None) -> list[float]:
+    """The case's condition values: its row of the table (``rows``, :func:`table_rows`; None
+    without a table), else its field data; each times its scale."""
+    row = None if rows is None else rows.get(case.name)
     values = []
-    for cond in spec.conditions:
+    for k, cond in enumerate(spec.conditions):
         if row is not None and cond.array in row:
             value = row[cond.array]
         elif cond.array in mesh.field_data.keys():
@@ -242,12 +329,14 @@ def _conditions(mesh, case: Case, spec: ConversionSpec,
         else:
             where = (f" nor in {spec.condition_table} (which has "
                      f"{'no row' if row is None else 'no value'} for case {case.name!r})"
-                     if table is not None else "")
+                     if rows is not None else "")
             raise DataError(f"{case.path}: condition {cond.array!r} is missing: not in its "
                             f"field data ({sorted(mesh.field_data.keys())}){where}")
         value *= cond.scale
         if not np.isfinite(value):
             raise DataError(f"{case.path}: condition {cond.array!r} is {value}, not finite")
+        _check_float32(np.array([value]), case.path, f"condition {cond.array!r}",
+                       f"conditions[{k}].scale")
         values.append(value)
     return values
 
@@ -261,9 +350,10 @@ def _dimensions(points: np.ndarray, spec: ConversionSpec, fixed: int | None, pat
 
 
 def case_sample(mesh, case: Case, spec: ConversionSpec,
-                table: dict[str, dict[str, float]] | None, dimensions: int | None) -> CaseSample:
-    """The filters (module docstring) on one case's mesh; ``dimensions`` fixed by the cases
-    before it (None for the first)."""
+                rows: dict[str, dict[str, float]] | None, dimensions: int | None) -> CaseSample:
+    """The filters (module docstring) on one case's mesh; ``rows``: each case's row of the
+    condition table (:func:`table_rows`, None without one); ``dimensions`` fixed by the
+    cases before it (None for the first)."""
     path = case.path
     points = np.asarray(mesh.points, np.float64)
     _check_finite(points, path, "the point coordinates")
@@ -293,16 +383,17 @@ def case_sample(mesh, case: Case, spec: ConversionSpec,
         inputs.append(ChannelGroup(name, tuple("xyz"[:values.shape[1]]) if name == "coordinates"
                                    else channel_names(name, values.shape[1]),
                                    GEOMETRY_SOURCE[name][association]))
-    for groups, specs in ((inputs, spec.inputs), (targets, spec.targets)):
-        for a in specs:
-            arrays[a.name] = _data_array(mesh, path, a, association, n)
+    for groups, specs, kind in ((inputs, spec.inputs, "inputs"),
+                                (targets, spec.targets, "targets")):
+        for i, a in enumerate(specs):
+            arrays[a.name] = _data_array(mesh, path, a, association, n, f"{kind}[{i}].scale")
             groups.append(ChannelGroup(a.name, channel_names(a.name, arrays[a.name].shape[1]),
                                        a.array, a.scale, a.units))
     conditions = tuple(ChannelGroup(c.name, (c.name,), c.array, c.scale, c.units)
                        for c in spec.conditions)
     layout = ChannelLayout(tuple(inputs), tuple(targets), conditions, association,
                            dims if spec.geometry[:1] == ("coordinates",) else 0, dims)
-    return CaseSample(arrays, layout, _conditions(mesh, case, spec, table))
+    return CaseSample(arrays, layout, _conditions(mesh, case, spec, rows))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,20 +462,24 @@ def mesh_inputs(path: str | Path, layout: ChannelLayout,
 @dataclass
 class ConversionReport:
     """What :func:`convert` did: the ``store``, cases ``read`` and ``reused`` (finished by
-    an earlier, interrupted run), rows written, seconds spent."""
+    an earlier, interrupted run), rows written, seconds spent, and ``warnings`` about the
+    store (an empty test split), one sentence each."""
 
     store: MeshStore
     read: int
     reused: int
     rows: int
     seconds: float
+    warnings: list[str] = field(default_factory=list)
 
 
 def convert(source: str | Path, out: str | Path, spec: ConversionSpec, *,
             overwrite: bool = False, progress: bool = True,
             read: Callable[[Path, str], Any] = read_mesh) -> ConversionReport:
     """Convert the cases under ``source`` into the store ``out`` (module docstring);
-    ``read(path, format)`` is the reader stage (default :func:`read_mesh`)."""
+    ``read(path, format)`` is the reader stage (default :func:`read_mesh`). The store is
+    written under its lease (:class:`~flarepp.data.store.StoreLock`): a second conversion
+    into ``out`` while this one runs is refused, naming this one."""
     source = Path(source)
     cases = find_cases(source, spec)
     if not spec.targets and not spec.inputs and not spec.geometry:
@@ -393,17 +488,42 @@ def convert(source: str | Path, out: str | Path, spec: ConversionSpec, *,
         raise DataError(f"{cases[0].path}: {cases[0].format} files hold geometry only, no "
                         f"arrays, so they give no targets {[t.array for t in spec.targets]} "
                         "(convert them with targets = [] for prediction)")
-    table = None
-    if spec.condition_table is not None:
-        table_path = Path(spec.condition_table)
-        if not table_path.is_absolute():
-            table_path = (source if source.is_dir() else source.parent) / table_path
-        table = read_condition_table(table_path, [c.array for c in spec.conditions])
+    rows = _condition_rows(source, spec, cases)
     splits = spec.split.assign([c.name for c in cases])
-    writer = StoreWriter(out, {"spec": spec.to_dict(), "source": str(source.resolve())},
-                         overwrite=overwrite)
-    metas, layout, reused, rows = {}, None, 0, 0
+    warnings = [] if splits["test"] else [
+        f"the store's test split is empty (split.test_fraction holds out no case of a source "
+        f"of {len(cases)}), and `flarepp train` evaluates on it: convert a source of 2 or "
+        "more cases, or give --test-pattern"]
     started = time.perf_counter()
+    identity = {"spec": spec.to_dict(), "source": str(source.resolve())}
+    with StoreWriter(out, identity, overwrite=overwrite) as writer:
+        layout, metas, reused, written = _write_cases(writer, cases, spec, rows, read, progress)
+        store = writer.finish(layout, splits, metas, {"source": str(source.resolve()),
+                                                      "spec": spec.to_dict()})
+    return ConversionReport(store, len(cases) - reused, reused, written,
+                            time.perf_counter() - started, warnings)
+
+
+def _condition_rows(source: Path, spec: ConversionSpec, cases: list[Case]
+                    ) -> dict[str, dict[str, float]] | None:
+    """Each case's row of the spec's condition table (a relative path is under the
+    source), or None without a table."""
+    if spec.condition_table is None:
+        return None
+    path = Path(spec.condition_table)
+    if not path.is_absolute():
+        path = (source if source.is_dir() else source.parent) / path
+    return table_rows(read_condition_table(path, [c.array for c in spec.conditions]), cases,
+                      path)
+
+
+def _write_cases(writer: StoreWriter, cases: list[Case], spec: ConversionSpec,
+                 rows: dict[str, dict[str, float]] | None, read: Callable[[Path, str], Any],
+                 progress: bool) -> tuple[ChannelLayout, dict[str, dict], int, int]:
+    """Each case through the filters into ``writer`` (a case finished earlier is reused);
+    returns the layout, every sample's meta, the count reused and the rows written."""
+    metas: dict[str, dict] = {}
+    layout, reused, written = None, 0, 0
     for case in tqdm(cases, desc="convert", unit="case", disable=not progress):
         identity = case.identity()
         meta = writer.finished(case.name, identity)
@@ -411,7 +531,7 @@ def convert(source: str | Path, out: str | Path, spec: ConversionSpec, *,
             reused += 1
             sample_layout = ChannelLayout.from_dict(meta["layout"])
         else:
-            sample = case_sample(read(case.path, case.format), case, spec, table,
+            sample = case_sample(read(case.path, case.format), case, spec, rows,
                                  None if layout is None else layout.dimensions)
             sample_layout = sample.layout
             if layout is not None:
@@ -419,15 +539,12 @@ def convert(source: str | Path, out: str | Path, spec: ConversionSpec, *,
             meta = writer.write(case.name, sample.arrays,
                                 {"source": identity, "layout": sample_layout.to_dict(),
                                  "conditions": sample.conditions})
-            rows += meta["rows"]
+            written += meta["rows"]
         if layout is None:
             layout = sample_layout
         _same_layout(layout, sample_layout, case)
         metas[case.name] = meta
-    store = writer.finish(layout, splits, metas, {"source": str(source.resolve()),
-                                                  "spec": spec.to_dict()})
-    return ConversionReport(store, len(cases) - reused, reused, rows,
-                            time.perf_counter() - started)
+    return layout, metas, reused, written
 
 
 def _same_layout(first: ChannelLayout, this: ChannelLayout, case: Case) -> None:
@@ -440,4 +557,4 @@ def _same_layout(first: ChannelLayout, this: ChannelLayout, case: Case) -> None:
 
 
 __all__ = ["Case", "CaseSample", "ConversionReport", "case_sample", "convert", "find_cases",
-           "layout_spec", "mesh_inputs", "read_condition_table"]
+           "layout_spec", "mesh_inputs", "read_condition_table", "table_rows"]

@@ -34,7 +34,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import numpy as np
@@ -228,13 +228,15 @@ def read_openfoam(path: Path):
     return internal
 
 
-def _meshio_read(path: Path):
+def _meshio_read(path: Path, read: Callable[[], Any] | None = None):
+    """``read()`` (default ``meshio.read(path)``) as a pyvista dataset; any failure is a
+    :class:`DataError` naming the file."""
     meshio = require_meshio()
     pv = require_pyvista()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mesh = meshio.read(path)
+            mesh = meshio.read(path) if read is None else read()
     except Exception as err:   # meshio raises ReadError, ValueError, KeyError, h5py's...
         raise DataError(f"{path}: unreadable, truncated or inconsistent file "
                         f"({type(err).__name__}: {err})") from None
@@ -255,7 +257,58 @@ def read_gmsh(path: Path):
 
 @register_format("xdmf", (".xdmf",), "meshio", doc="XDMF (with its HDF5 heavy data)")
 def read_xdmf(path: Path):
-    return _meshio_read(path)
+    """An XDMF file through meshio's reader, given the XML tree :func:`xdmf_tree` confined
+    (meshio would read a ``Binary`` data item's file wherever it points)."""
+    root = xdmf_tree(path)
+
+    def read():
+        from meshio.xdmf.main import XdmfReader
+        version = root.get("Version", "")
+        if root.tag != "Xdmf" or version.split(".")[0] not in ("2", "3"):
+            raise ValueError(f"not an XDMF 2 or 3 document (root {root.tag!r}, version "
+                             f"{version!r})")
+        reader = XdmfReader(str(path))
+        return reader.read_xdmf2(root) if version.startswith("2") else reader.read_xdmf3(root)
+    return _meshio_read(path, read)
+
+
+def xdmf_tree(path: Path):
+    """The XML root of the XDMF file ``path``, every heavy-data file it names (a
+    ``DataItem`` of format ``Binary``, or ``HDF`` as ``file.h5:/dataset``) confined to the
+    file's directory (:func:`flarepp.io.confined`: relative to it, as XDMF defines, or an
+    absolute path inside it) and rewritten as an absolute path, so that no file outside
+    the case is read; anything else is a :class:`DataError` naming the file and the item."""
+    from xml.etree import ElementTree
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (ElementTree.ParseError, OSError) as err:
+        raise DataError(f"{path}: unreadable, truncated or inconsistent file (XML: {err})"
+                        ) from None
+    folder = path.parent
+    for item in root.iter("DataItem"):
+        fmt = item.get("Format", "XML")
+        if fmt not in ("Binary", "HDF"):
+            continue
+        text = (item.text or "").strip()
+        name, colon, dataset = text.partition(":") if fmt == "HDF" else (text, "", "")
+        item.text = str(_heavy_data_file(folder, name, path, fmt)) + colon + dataset
+    return root
+
+
+def _heavy_data_file(folder: Path, name: str, path: Path, fmt: str) -> Path:
+    from flarepp.io import UnsafeName, confined
+    named = PurePosixPath(name)
+    if named.is_absolute():   # meshio's own writer names a Binary file as it was given
+        for base in (folder.absolute(), folder.resolve()):
+            if named.is_relative_to(base.as_posix()):
+                named = named.relative_to(base.as_posix())
+                break
+    try:
+        return confined(folder, named.as_posix() if name else name,
+                        what=f"{path}: the {fmt} data item's file").absolute()
+    except UnsafeName as err:
+        raise DataError(f"{err}; an XDMF case reads its heavy data from files in its own "
+                        "directory") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,12 +28,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from flarepp.data.layout import ASSOCIATIONS
+from flarepp.io import UnsafeName, check_name
 
 GEOMETRY = {"coordinates": "point positions, or cell centres with association 'cell'",
             "normals": "unit normals of 2-D cells (association 'cell')",
@@ -153,8 +155,9 @@ def _array(value: Any, where: str) -> ArraySpec:
     if not isinstance(value.get("array"), str) or not value["array"]:
         raise SpecError(f"{where}: the table {value!r} names no 'array'")
     scale = value.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale == 0:
-        raise SpecError(f"{where}: 'scale' must be a non-zero number, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale == 0 \
+            or not math.isfinite(scale):
+        raise SpecError(f"{where}: 'scale' must be a finite non-zero number, got {scale!r}")
     name = value.get("name", value["array"])
     units = value.get("units", "")
     if not isinstance(name, str) or not name or not isinstance(units, str):
@@ -168,7 +171,15 @@ def _arrays(d: dict[str, Any], key: str, where: str) -> tuple[ArraySpec, ...]:
         value = [value]
     if not isinstance(value, list):
         raise SpecError(f"{where}: {key!r} must be a list of arrays, got {value!r}")
-    return tuple(_array(v, f"{where}: {key}[{i}]") for i, v in enumerate(value))
+    arrays = tuple(_array(v, f"{where}: {key}[{i}]") for i, v in enumerate(value))
+    if key in ("inputs", "targets"):   # stored as <sample>/<name>.npy
+        for i, a in enumerate(arrays):
+            try:
+                check_name(a.name, what=f"{where}: {key}[{i}] name", flat=True,
+                           inside="a sample's folder")
+            except UnsafeName as err:
+                raise SpecError(f"{err}; give the array a plain 'name'") from None
+    return arrays
 
 
 def parse_spec(d: dict[str, Any], where: str = "spec") -> ConversionSpec:
@@ -205,22 +216,34 @@ def parse_spec(d: dict[str, Any], where: str = "spec") -> ConversionSpec:
         raise SpecError(f"{where}: two conditions share a name")
     if not geometry and not inputs:
         raise SpecError(f"{where}: no inputs: give geometry or inputs")
+    _check_scalars(d, where)
+    return ConversionSpec(targets=targets, inputs=inputs, geometry=tuple(geometry),
+                          association=association, conditions=conditions,
+                          condition_table=d.get("condition_table"),
+                          dimensions=d.get("dimensions"),
+                          format=d.get("format"), pattern=d.get("pattern"),
+                          split=_split(d.get("split", {}), where))
+
+
+def _check_scalars(d: dict[str, Any], where: str) -> None:
+    """``dimensions`` (the integer 2 or 3), ``condition_table``, ``format`` and
+    ``pattern`` (strings; a pattern is a glob under the source: nothing above it)."""
     dimensions = d.get("dimensions")
-    if dimensions not in (None, 2, 3):
-        raise SpecError(f"{where}: dimensions must be 2 or 3, got {dimensions!r}")
+    if dimensions is not None and (type(dimensions) is not int or dimensions not in (2, 3)):
+        raise SpecError(f"{where}: dimensions must be the integer 2 or 3, got {dimensions!r}")
     for key in ("condition_table", "format", "pattern"):
         if d.get(key) is not None and not isinstance(d[key], str):
             raise SpecError(f"{where}: {key} must be a string, got {d[key]!r}")
+    if d.get("pattern") is not None:
+        try:
+            check_name(d["pattern"], what=f"{where}: pattern", inside="the source directory")
+        except UnsafeName as err:
+            raise SpecError(str(err)) from None
     if d.get("format") is not None:
         from flarepp.data.meshes import MESH_FORMATS
         if d["format"] not in MESH_FORMATS:
             raise SpecError(f"{where}: unknown format {d['format']!r}; known formats: "
                             f"{', '.join(MESH_FORMATS.names())}")
-    return ConversionSpec(targets=targets, inputs=inputs, geometry=tuple(geometry),
-                          association=association, conditions=conditions,
-                          condition_table=d.get("condition_table"), dimensions=dimensions,
-                          format=d.get("format"), pattern=d.get("pattern"),
-                          split=_split(d.get("split", {}), where))
 
 
 def _split(value: Any, where: str) -> SplitSpec:
@@ -252,6 +275,9 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
         raise SpecError(f"spec file {str(path)!r} does not exist") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise SpecError(f"{path}: not a TOML spec ({err})") from None
+    except RecursionError:
+        raise SpecError(f"{path}: not a spec: its arrays or tables are nested thousands of "
+                        "levels deep") from None
 
 
 def load_spec(path: str | Path | None = None, overrides: dict[str, Any] | None = None

@@ -25,21 +25,30 @@ unfinished and is never read; :class:`StoreWriter` writes ``manifest.json`` only
 every sample, so a store a conversion left unfinished is refused by readers, and a rerun
 converts only what is missing.
 
+**One writer, names inside.** :class:`StoreWriter` holds the store's lease
+(:class:`StoreLock`, ``STORE/.lock``) while it writes, so a second writer is refused;
+every sample records a digest of the identity (spec, source) of the conversion that wrote
+it. Every sample and array name becomes a path through :func:`inside`
+(:func:`flarepp.io.confined`): a manifest naming ``../x``, an absolute path or a link out
+of the store is refused, as is any other hand edit of its keys, in one sentence naming the
+manifest and the key.
+
 **Edits after conversion.** ``meta.json`` and the manifest record each array's size,
 modification time, SHA-256 and a sampled digest (:func:`~flarepp.data.fingerprint.
 sampled_digest`). Opening a split checks every array's size, and its sampled digest where
 the time differs (a copied store keeps its content, not its times); ``flarepp data check
-STORE --verify`` compares every byte with the SHA-256. The fingerprint a run stores is a
-hash of the per-sample digests: ``--resume`` on an edited store is refused.
+STORE --verify`` compares every byte with the SHA-256, and each sample's own ``meta.json``
+with the manifest (a sample another conversion wrote is refused). The fingerprint a run
+stores is a hash of the per-sample digests: ``--resume`` on an edited store is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
-import shutil
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -49,7 +58,9 @@ from flarepp.data.base import (ChannelStatistics, DataError, DatasetSplits, Runn
 from flarepp.data.fingerprint import data_fingerprint, file_sha256, sampled_digest
 from flarepp.data.layout import ChannelLayout
 from flarepp.data.registry import DATASETS
-from flarepp.io import atomic_write_all, is_temporary, read_json, UnreadableFile
+from flarepp.io import (UnreadableFile, UnsafeName, atomic_write_all, check_name, confined,
+                        is_temporary, read_json, save_npy)
+from flarepp.locks import LOCK_NAME, Lease, Verdict
 
 MANIFEST = "manifest.json"
 CONVERT_RECORD = "convert.json"
@@ -58,6 +69,41 @@ STORE_FORMAT = "flarepp-store"
 STORE_VERSION = 1
 CHUNK_ROWS = 1 << 20          # rows per chunk when streaming statistics over a sample
 SPLITS = ("train", "test", "val")
+RESERVED = (MANIFEST, CONVERT_RECORD, LOCK_NAME)
+"""Names at a store's top that no sample may take."""
+
+
+def inside(root: str | Path, name: Any, what: str, *, flat: bool = False) -> Path:
+    """:func:`flarepp.io.confined` of a name a store reads or writes (a sample's folder, an
+    array's file), its refusal a :class:`DataError` (the store's data is at fault)."""
+    try:
+        return confined(root, name, what=what, flat=flat)
+    except UnsafeName as err:
+        raise DataError(str(err)) from None
+
+
+def sample_folder(root: str | Path, name: Any, what: str = "sample name") -> Path:
+    """The folder of sample ``name`` in the store ``root``: a relative path inside it
+    (:func:`inside`) that is not one of the store's own files."""
+    if name in RESERVED:
+        raise DataError(f"{what} {name!r} cannot name a sample: it is a file of the store "
+                        f"{str(root)!r}")
+    return inside(root, name, what)
+
+
+def array_file(folder: str | Path, group: Any, what: str = "array name") -> Path:
+    """``folder/<group>.npy``: a group's array file, a plain file name in its sample's
+    folder (:func:`inside`)."""
+    if not isinstance(group, str):
+        return inside(folder, group, what, flat=True)   # the sentence for a non-string
+    return inside(folder, f"{group}.npy", what, flat=True)
+
+
+def identity_digest(identity: Any) -> str:
+    """A short SHA-256 of what made a store (its ``convert.json`` identity: spec and
+    source): recorded in every sample it writes, so a sample another conversion wrote is
+    told apart."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +113,7 @@ def _write_arrays(files: dict[Path, np.ndarray]) -> None:
     def saver(arr: np.ndarray) -> Callable[[Path], None]:
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as handle:   # a handle: numpy would append ".npy" to a name
-                np.save(handle, arr)
+                save_npy(handle, arr)
         return write
     atomic_write_all({path: saver(arr) for path, arr in files.items()})
 
@@ -111,7 +157,7 @@ def write_sample(folder: str | Path, arrays: dict[str, np.ndarray], meta: dict[s
     for stale in folder.iterdir():
         if is_temporary(stale.name):
             stale.unlink(missing_ok=True)
-    prepared = {folder / f"{name}.npy": np.ascontiguousarray(
+    prepared = {array_file(folder, name): np.ascontiguousarray(
         np.asarray(a, np.float32).reshape(len(a), -1)) for name, a in arrays.items()}
     _write_arrays(prepared)
     stored = {path.stem: _stored_entry(path, arr.shape) for path, arr in prepared.items()}
@@ -171,39 +217,98 @@ def open_sample(folder: str | Path, expected: dict[str, Any],
     return arrays
 
 
-def check_sample_name(name: str) -> str:
-    """A sample name is a relative POSIX path without ``..`` (its folder in the store)."""
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or ".." in path.parts or name in (MANIFEST,
-                                                                         CONVERT_RECORD):
-        raise DataError(f"{name!r} cannot name a sample (a relative path inside the store)")
-    return name
-
-
 # ---------------------------------------------------------------------------------------------
 # the sink
+
+class StoreLock(Lease):
+    """The lease of a store being written, ``STORE/.lock`` (:class:`flarepp.locks.Lease`):
+    one writer at a time, across hosts; a writer killed on this host never blocks."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        super().__init__(self.root / LOCK_NAME)
+
+    def held_message(self, verdict: Verdict) -> str:
+        return (f"{super().held_message(verdict)}; it is writing the store "
+                f"{str(self.root)!r}: wait for it to finish, or give another --out")
+
+
+def _lease_file(name: str) -> bool:
+    return name in (LOCK_NAME, f"{LOCK_NAME}.takeover")
+
+
+def store_files(root: Path) -> tuple[list[Path], list[Path]]:
+    """``(files a store consists of, everything else)`` under ``root`` (its lease aside):
+    ``convert.json`` and ``manifest.json`` at its top, and in the sample folders below
+    ``meta.json`` and ``.npy`` arrays, and the atomic writers' temporaries. A symbolic
+    link is never the store's."""
+    ours, others = [], []
+    for folder, dirs, files in os.walk(root):   # links to folders are listed, not entered
+        folder = Path(folder)
+        others += [folder / d for d in dirs if (folder / d).is_symlink()]
+        for name in files:
+            path = folder / name
+            top = folder == root
+            if top and _lease_file(name):
+                continue
+            mine = (name in (CONVERT_RECORD, MANIFEST) if top else
+                    name == SAMPLE_META or name.endswith(".npy")) or is_temporary(name)
+            (ours if mine and not path.is_symlink() else others).append(path)
+    return ours, others
+
+
+def clear_store(root: Path) -> None:
+    """Delete the store at ``root``: its own files (:func:`store_files`) and the folders
+    they leave empty; a folder holding anything else is refused and nothing is deleted.
+    ``root`` itself stays (a link to a folder stays a link)."""
+    ours, others = store_files(root)
+    if others:
+        shown = str(others[0].relative_to(root))
+        raise DataError(f"{root} holds files a store does not ({shown!r}"
+                        + (f" and {len(others) - 1} more" if len(others) > 1 else "")
+                        + "): --overwrite deletes only a store's own files; move them out or "
+                          "give another --out")
+    for path in ours:
+        path.unlink()
+    for folder, dirs, _ in sorted(os.walk(root), key=lambda w: -len(Path(w[0]).parts)):
+        if Path(folder) != root and not any(Path(folder).iterdir()):
+            Path(folder).rmdir()
+
 
 class StoreWriter:
     """Writes a store: ``convert.json`` first (``identity``: what makes the samples, e.g.
     the spec and the source), one :func:`write_sample` per sample, ``manifest.json`` last.
 
-    An existing store with the same identity is resumed (:meth:`finished` tells which
-    samples are done); one with another identity is refused unless ``overwrite``, which
-    deletes it first; a directory that is not a store and not empty is refused."""
+    The writer holds the store's lease (:class:`StoreLock`) from its creation until
+    :meth:`finish` or :meth:`close` (``with StoreWriter(...) as writer``): a second writer
+    of the same store is refused, naming the first. An existing store with the same
+    identity is resumed (:meth:`finished` tells which samples are done); one with another
+    identity is refused unless ``overwrite``, which deletes it first (its own files only,
+    :func:`clear_store`); a directory that is not a store and not empty is refused."""
 
     def __init__(self, root: str | Path, identity: dict[str, Any], *,
                  overwrite: bool = False) -> None:
         self.root = Path(root)
         self.identity = json.loads(json.dumps(identity))   # as it reads back
-        record = self.root / CONVERT_RECORD
+        self.digest = identity_digest(self.identity)
         if self.root.exists() and not self.root.is_dir():
             raise DataError(f"{self.root} is a file, not a store directory")
-        if self.root.is_dir() and any(self.root.iterdir()):
+        self.lease = StoreLock(self.root).acquire()
+        try:
+            self._prepare(overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, overwrite: bool) -> None:
+        record = self.root / CONVERT_RECORD
+        entries = [p for p in self.root.iterdir() if not _lease_file(p.name)]
+        if entries:
             if not record.is_file() and not (self.root / MANIFEST).is_file():
                 raise DataError(f"{self.root} is not empty and holds no store "
                                 f"({CONVERT_RECORD}); give an empty or new directory")
             previous = self._read_record()
-            started = any(p.name != CONVERT_RECORD for p in self.root.iterdir())
+            started = any(p.name != CONVERT_RECORD for p in entries)
             if previous != self.identity:
                 if not overwrite and started:  # a store of no sample yet is nothing to lose
                     changed = sorted(k for k in set(previous or {}) | set(self.identity)
@@ -211,11 +316,21 @@ class StoreWriter:
                     raise DataError(f"{self.root} holds a store made otherwise (differs in "
                                     f"{changed}); pass --overwrite to replace it, or give "
                                     "another --out")
-                shutil.rmtree(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+                clear_store(self.root)
         (self.root / MANIFEST).unlink(missing_ok=True)   # incomplete until finish()
         _write_json(record, {"format": STORE_FORMAT, "version": STORE_VERSION,
                              "identity": self.identity})
+
+    def close(self) -> None:
+        """Give the store's lease back (the store stays as it is: unfinished until
+        :meth:`finish`)."""
+        self.lease.release()
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _read_record(self) -> dict[str, Any] | None:
         try:
@@ -224,28 +339,31 @@ class StoreWriter:
             return None
 
     def finished(self, name: str, source: dict[str, Any]) -> dict[str, Any] | None:
-        """The meta of sample ``name`` when it is finished from the same ``source``
-        (identity of its source file) and its arrays are intact; None otherwise."""
-        folder = self.root / check_sample_name(name)
+        """The meta of sample ``name`` when it is finished by this writer's identity from
+        the same ``source`` (identity of its source file) and its arrays are intact; None
+        otherwise."""
+        folder = sample_folder(self.root, name)
         meta = read_sample_meta(folder)
-        if meta is None or meta.get("source") != source:
+        if meta is None or meta.get("source") != source or meta.get("identity") != self.digest:
             return None
         for array, entry in meta["stored"].items():
-            if array_problem(folder / f"{array}.npy", entry) is not None:
+            if array_problem(array_file(folder, array), entry) is not None:
                 return None
         return meta
 
     def write(self, name: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]
               ) -> dict[str, Any]:
-        return write_sample(self.root / check_sample_name(name), arrays, meta)
+        return write_sample(sample_folder(self.root, name), arrays,
+                            {**meta, "identity": self.digest})
 
     def finish(self, layout: ChannelLayout, splits: dict[str, list[str]],
                metas: dict[str, dict[str, Any]], info: dict[str, Any] | None = None
                ) -> "MeshStore":
-        """Write ``manifest.json`` (the layout, the splits, every sample's meta) and
-        return the store, opened."""
+        """Write ``manifest.json`` (the layout, the splits, every sample's meta), give the
+        lease back and return the store, opened."""
         write_manifest(self.root, layout, splits, metas,
                        {"identity": self.identity, **(info or {})})
+        self.close()
         return MeshStore(self.root)
 
 
@@ -258,7 +376,8 @@ def write_manifest(root: str | Path, layout: ChannelLayout, splits: dict[str, li
         raise ValueError(f"splits name samples without a meta: {unknown[:5]}")
     samples = {name: {"rows": m["rows"], "association": layout.association,
                       "source": m.get("source"), "conditions": m.get("conditions", []),
-                      "stored": m["stored"], "digest": m["digest"]}
+                      "stored": m["stored"], "digest": m["digest"],
+                      **({"identity": m["identity"]} if "identity" in m else {})}
                for name, m in metas.items()}
     path = Path(root) / MANIFEST
     _write_json(path, {"format": STORE_FORMAT, "version": STORE_VERSION,
@@ -269,6 +388,118 @@ def write_manifest(root: str | Path, layout: ChannelLayout, splits: dict[str, li
 
 # ---------------------------------------------------------------------------------------------
 # reading a store
+
+def _checked_layout(value: Any, path: Path) -> ChannelLayout:
+    """The manifest's ``layout``, every group an object with a plain ``name`` (its array's
+    file name), ``channels`` and a finite ``scale``; a :class:`DataError` naming the key."""
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: 'layout' is {_shown(value)}, not an object (the channel "
+                        "layout)")
+    for key in ("inputs", "targets", "conditions"):
+        groups = value.get(key, [] if key == "conditions" else None)
+        if not isinstance(groups, list):
+            raise DataError(f"{path}: layout.{key} is {_shown(groups)}, not a list of channel "
+                            "groups")
+        for i, g in enumerate(groups):
+            if not (isinstance(g, dict) and isinstance(g.get("name"), str)
+                    and isinstance(g.get("channels"), list) and g["channels"]
+                    and all(isinstance(c, str) for c in g["channels"])
+                    and _number(g.get("scale", 1.0)) and math.isfinite(g.get("scale", 1.0))
+                    and all(isinstance(g.get(k, ""), str) for k in ("source", "units"))):
+                raise DataError(f"{path}: layout.{key}[{i}] is not a channel group (an object "
+                                "with a 'name', a list of 'channels', a finite 'scale', "
+                                "'source' and 'units' strings)")
+            _name(g["name"], f"{path}: layout.{key}[{i}].name", flat=True)
+    try:
+        return ChannelLayout.from_dict(value)
+    except (TypeError, ValueError) as err:
+        raise DataError(f"{path}: 'layout' is not a channel layout ({err})") from None
+
+
+def _checked_samples(root: Path, manifest: dict[str, Any], path: Path,
+                     layout: ChannelLayout) -> dict[str, dict[str, Any]]:
+    """The manifest's ``samples``, each name a folder inside the store and each entry a
+    sample record (:func:`_check_sample`)."""
+    samples = manifest.get("samples")
+    if not isinstance(samples, dict):
+        raise DataError(f"{path}: 'samples' is {_shown(samples)}, not an object of samples "
+                        "by name")
+    groups = [g.name for g in layout.inputs + layout.targets]
+    for name, entry in samples.items():
+        sample_folder(root, name, f"{path}: sample name")
+        _check_sample(entry, f"{path}: samples[{name!r}]", groups,
+                      len(layout.condition_names))
+    return samples
+
+
+def _check_sample(entry: Any, where: str, groups: list[str], conditions: int) -> None:
+    """A sample record: positive ``rows``, one number per condition, a ``stored`` record
+    (shape, bytes, time, digests) of every array of the layout, a hexadecimal ``digest``."""
+    if not isinstance(entry, dict):
+        raise DataError(f"{where} is {_shown(entry)}, not an object (a sample record)")
+    rows = entry.get("rows")
+    if type(rows) is not int or rows < 1:
+        raise DataError(f"{where}.rows is {rows!r}, not a positive integer")
+    values = entry.get("conditions", [])
+    if not isinstance(values, list) or len(values) != conditions \
+            or not all(_number(v) for v in values):
+        raise DataError(f"{where}.conditions is {_shown(values)}, not a list of {conditions} "
+                        "number(s), one per condition of the layout")
+    stored = entry.get("stored")
+    if not isinstance(stored, dict):
+        raise DataError(f"{where}.stored is {_shown(stored)}, not an object of array records")
+    missing = [g for g in groups if g not in stored]
+    if missing:
+        raise DataError(f"{where}.stored has no record of array {missing[0]!r} of the layout")
+    for array, record in stored.items():
+        _name(array, f"{where}.stored key", flat=True)
+        if not (isinstance(record, dict) and isinstance(record.get("shape"), list)
+                and all(type(n) is int and n >= 0 for n in record["shape"])
+                and all(type(record.get(k)) is int and record[k] >= 0
+                        for k in ("bytes", "mtime_ns"))
+                and all(isinstance(record.get(k), str) for k in ("sha256", "sampled"))):
+            raise DataError(f"{where}.stored[{array!r}] is not an array record (shape, bytes, "
+                            "mtime_ns, sha256, sampled)")
+    digest = entry.get("digest")
+    if not isinstance(digest, str) or not _hexadecimal(digest):
+        raise DataError(f"{where}.digest is {_shown(digest)}, not a hexadecimal digest")
+
+
+def _checked_splits(value: Any, path: Path, samples: dict[str, Any]) -> dict[str, list[str]]:
+    """The manifest's ``splits``: lists of distinct sample names it holds."""
+    if not isinstance(value, dict) or not all(isinstance(v, list) for v in value.values()):
+        raise DataError(f"{path}: 'splits' is {_shown(value)}, not an object of lists of "
+                        "sample names by split")
+    for split, names in value.items():
+        unknown = [n for n in names if not isinstance(n, str) or n not in samples]
+        if unknown:
+            raise DataError(f"{path}: splits[{split!r}] names {unknown[0]!r}, which is not "
+                            "one of its samples")
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise DataError(f"{path}: splits[{split!r}] names {twice!r} twice")
+    return {k: list(v) for k, v in value.items()}
+
+
+def _name(name: str, what: str, *, flat: bool = False) -> None:
+    try:
+        check_name(name, what=what, flat=flat, inside="the store")
+    except UnsafeName as err:
+        raise DataError(str(err)) from None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _hexadecimal(text: str) -> bool:
+    return len(text) % 2 == 0 and all(c in "0123456789abcdef" for c in text)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{type(value).__name__} {text[:limit]}..."
+
 
 class MeshStore:
     """A store opened from its ``manifest.json`` (module docstring)."""
@@ -293,9 +524,18 @@ class MeshStore:
             raise DataError(f"{path}: store format version {manifest.get('version')}, this "
                             f"flarepp reads version {STORE_VERSION}; convert it again")
         self.manifest = manifest
-        self.layout = ChannelLayout.from_dict(manifest["layout"])
-        self.splits: dict[str, list[str]] = {k: list(v) for k, v in manifest["splits"].items()}
-        self.samples: dict[str, dict[str, Any]] = manifest["samples"]
+        self.layout = _checked_layout(manifest.get("layout"), path)
+        self.samples: dict[str, dict[str, Any]] = _checked_samples(self.root, manifest, path,
+                                                                   self.layout)
+        self.splits: dict[str, list[str]] = _checked_splits(manifest.get("splits"), path,
+                                                            self.samples)
+
+    def array_path(self, name: str, group: str) -> Path:
+        """The file of array ``group`` of sample ``name``, confined to the store
+        (:func:`inside`: a link planted in the store is refused)."""
+        where = f"{self.root / MANIFEST}:"
+        return array_file(sample_folder(self.root, name, f"{where} sample name"), group,
+                          f"{where} array name")
 
     def names(self, split: str) -> list[str]:
         if split not in self.splits:
@@ -330,13 +570,33 @@ class MeshStore:
         sample) changed since the store was written (:func:`array_problem`)."""
         for name in self.samples if names is None else names:
             entry = self.samples[name]
+            if full:
+                self._check_same_conversion(name, entry)
             for array, stored in entry["stored"].items():
-                path = self.root / name / f"{array}.npy"
+                path = self.array_path(name, array)
                 problem = array_problem(path, stored, full=full)
                 if problem is not None:
                     raise DataError(f"{path} {problem}: the store was changed after "
                                     "conversion, so its recorded fingerprint no longer "
                                     "holds; convert it again")
+
+    def _check_same_conversion(self, name: str, entry: dict[str, Any]) -> None:
+        """Sample ``name``'s own ``meta.json`` says the conversion the manifest records
+        wrote it: its digest, its layout (unit scales included) and the identity of the
+        conversion (spec and source) that wrote it, where recorded."""
+        folder = sample_folder(self.root, name)
+        meta = read_sample_meta(folder)
+        if meta is None:
+            raise DataError(f"{folder / SAMPLE_META} is missing or unreadable: the store was "
+                            "changed after conversion; convert it again")
+        expected = {"digest": entry["digest"], "layout": self.manifest["layout"],
+                    "identity": identity_digest(self.manifest.get("identity"))}
+        differ = [key for key, want in expected.items() if key in meta and meta[key] != want]
+        if differ:
+            raise DataError(f"{folder / SAMPLE_META}: sample {name!r} was written by another "
+                            f"conversion than the manifest records (its {' and '.join(differ)} "
+                            "differ): the store mixes two conversions; convert it again with "
+                            "--overwrite")
 
     def describe(self) -> list[str]:
         """Lines of ``flarepp data check STORE``: layout, splits, sizes, conditions."""
@@ -415,13 +675,12 @@ class StoreSamples:
 
     def _read(self, index: int, groups: list[tuple[str, int]],
               rows: np.ndarray | slice | None) -> np.ndarray:
-        folder = self.store.root / self.names[index]
         if not groups:                    # a store without targets (for prediction)
             rows_n = self._rows[index] if rows is None else len(np.arange(self._rows[index])[rows])
             return np.zeros((rows_n, 0), np.float32)
         parts = []
         for name, width in groups:
-            path = folder / f"{name}.npy"
+            path = self.store.array_path(self.names[index], name)
             try:
                 array = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as err:
@@ -548,6 +807,7 @@ DATASETS.add("store", load_store,
                  "lazily, optional per-sample conditions (fields task)")
 
 
-__all__ = ["CONVERT_RECORD", "MANIFEST", "MeshStore", "SAMPLE_META", "StoreSamples",
-           "StoreWriter", "array_problem", "load_store", "open_sample", "read_sample_meta",
-           "sample_digest", "write_manifest", "write_sample"]
+__all__ = ["CONVERT_RECORD", "MANIFEST", "MeshStore", "RESERVED", "SAMPLE_META", "StoreLock",
+           "StoreSamples", "StoreWriter", "array_file", "array_problem", "clear_store",
+           "identity_digest", "inside", "load_store", "open_sample", "read_sample_meta",
+           "sample_digest", "sample_folder", "store_files", "write_manifest", "write_sample"]

@@ -309,6 +309,10 @@ class FieldTask(Task):
         if self.splits.val is not None:
             self.eval_splits = (*self.eval_splits, "val")
         train = self.splits.train
+        if len(self.splits.test) == 0:
+            raise DataError(f"{self._where()}: the data's test split is empty, and a run is "
+                            "evaluated on it; for a store, convert again with test cases "
+                            "(a source of 2 or more cases, or --test-pattern)")
         if self.splits.out_dim == 0:
             raise DataError(f"{self.splits.source or self.data_root}: the data has no target "
                             "channels (a store converted with targets = [], for prediction "

@@ -47,9 +47,12 @@ both are per unit dynamic pressure, ``C A = F . d / (U^2 / 2)`` in m^2 (the drag
 stream ``U`` (generated surfaces: 40 m/s, with their yaw), else the kinematic force itself
 along ``x`` (m^4/s^2; the released DrivAerML files state neither speed nor area).
 ``drag_r2`` and ``lift_r2``: the coefficient of determination ``1 - sum (hat - true)^2 /
-sum (true - mean true)^2`` over the scored cars (NaN with fewer than 2 cars or no spread),
-the number AB-UPT reports for DrivAerML's drag and lift. After training, the case the paper would show in
-Figures 13-14 (the median-error car of the first 10) is predicted again and written, in
+sum (true - mean true)^2`` over the scored cars, the number AB-UPT reports for DrivAerML's
+drag and lift; undefined (NaN, its reason under ``r2_undefined``) with fewer than 2 cars, or
+where the true values spread by at most ``R2_SPREAD`` of the force coefficients' magnitude
+(the lift of bodies symmetric about the flow is zero up to round-off: R² would divide the
+errors by that round-off, -2e16 where it was computed). After training, the case the paper
+would show in Figures 13-14 (the median-error car of the first 10) is predicted again and written, in
 physical units, to ``surface_case.npz``; ``flarepp plot RUN`` renders it with
 :mod:`flarepp.plots3d`. ``surface_errors.json`` lists every car's errors.
 """
@@ -116,7 +119,7 @@ class SurfaceTask(Task):
 
     name = "surface"
     headline = "nmse"
-    reported = ("rel_l2", "drag_r2", "lift_r2")
+    reported = ("rel_l2", "drag_r2", "lift_r2", "r2_undefined")   # the last: where R² is NaN
     lower_is_better = True
     token_keys = ("x", "y", "mask")
     eval_splits = ("test",)
@@ -250,8 +253,7 @@ class SurfaceTask(Task):
                 "nmse_channels": {name: float(v)
                                   for name, v in zip(FIELD_NAMES, per_channel.mean(axis=0))},
                 "rel_l2": float(records["rel_l2"].mean()),
-                "drag_r2": r_squared(forces["drag_pred"], forces["drag_true"]),
-                "lift_r2": r_squared(forces["lift_pred"], forces["lift_true"]),
+                **force_r_squared(forces),
                 "forces": forces,
                 "per_sample": per_case.tolist(), "runs": runs,
                 "cells": int(records["cells"].sum())}
@@ -350,8 +352,7 @@ class SurfaceTask(Task):
             "split": self.data.test_split, "metric": "100 x MSE of the standardised channels",
             "nmse": float(per_channel.mean(axis=1).mean()), "figure_subset": FIGURE_SUBSET,
             "figure_case": runs[chosen[0]] if chosen else None,
-            "drag_r2": r_squared(forces["drag_pred"], forces["drag_true"]),
-            "lift_r2": r_squared(forces["lift_pred"], forces["lift_true"]), "cases": cases})
+            **force_r_squared(forces), "cases": cases})
         for index, pred_NO in (predictions or {}).items():
             run = self.data.surfaces.load(runs[index])
             row = int(np.flatnonzero(records["index"] == index)[0])
@@ -400,14 +401,56 @@ def integrated_forces(fields_BN4: torch.Tensor, normals_BN3: torch.Tensor,
     return (traction * weights[..., None]).sum(1)
 
 
-def r_squared(predicted: list[float] | np.ndarray, true: list[float] | np.ndarray) -> float:
-    """``1 - sum (p - t)^2 / sum (t - mean t)^2``; NaN with fewer than 2 values or none
-    spread."""
+R2_SPREAD = 1e-6
+"""Below this fraction of the values' magnitude, the spread of the true values is taken as
+none (:func:`r_squared_why`): float32 round-off of forces summed over cells is about that."""
+
+
+def r_squared_why(predicted: list[float] | np.ndarray, true: list[float] | np.ndarray, *,
+                  scale: float | None = None) -> tuple[float, str | None]:
+    """``(R², None)`` with ``R² = 1 - sum (p - t)^2 / sum (t - mean t)^2``, or ``(NaN,
+    why)`` where it is undefined: fewer than 2 values, or true values whose standard
+    deviation is at most ``R2_SPREAD`` times ``scale`` (default: the largest magnitude of
+    the predicted and true values) -- e.g. the lift of bodies symmetric about the flow,
+    zero up to round-off, where R² would divide the errors by the round-off's spread."""
     p, t = np.asarray(predicted, np.float64), np.asarray(true, np.float64)
-    spread = float(np.square(t - t.mean()).sum()) if len(t) else 0.0
-    if len(t) < 2 or spread == 0.0:
-        return float("nan")
-    return 1.0 - float(np.square(p - t).sum()) / spread
+    if len(t) < 2:
+        return float("nan"), f"undefined with {len(t)} value(s): R² needs 2 or more"
+    if scale is None:
+        scale = float(max(np.abs(t).max(), np.abs(p).max()))
+    spread = float(t.std())
+    if spread <= R2_SPREAD * scale:
+        return float("nan"), (f"undefined: the {len(t)} true values vary by {spread:.3g} "
+                              f"(standard deviation), at most {R2_SPREAD:g} of their "
+                              f"magnitude {scale:.3g}, so there is no spread to explain")
+    return 1.0 - float(np.square(p - t).sum()) / float(np.square(t - t.mean()).sum()), None
+
+
+def r_squared(predicted: list[float] | np.ndarray, true: list[float] | np.ndarray, *,
+              scale: float | None = None) -> float:
+    """R² of :func:`r_squared_why` (NaN where it is undefined)."""
+    return r_squared_why(predicted, true, scale=scale)[0]
+
+
+def force_r_squared(forces: dict[str, Any]) -> dict[str, Any]:
+    """``drag_r2`` and ``lift_r2`` over the cars of ``forces``
+    (:meth:`SurfaceTask.force_coefficients`), both against the magnitude of the force
+    coefficients (drag and lift, predicted and true): a lift that is zero up to round-off
+    on every car is undefined, not a large negative number; ``r2_undefined`` says why, by
+    key, where one is."""
+    values = [forces[f"{k}_{w}"] for k in ("drag", "lift") for w in ("pred", "true")]
+    scale = float(np.abs(np.concatenate([np.asarray(v, float) for v in values])).max()) \
+        if len(forces["drag_true"]) else 0.0
+    out: dict[str, Any] = {}
+    undefined = {}
+    for key in ("drag", "lift"):
+        out[f"{key}_r2"], why = r_squared_why(forces[f"{key}_pred"], forces[f"{key}_true"],
+                                              scale=scale)
+        if why is not None:
+            undefined[f"{key}_r2"] = why
+    if undefined:
+        out["r2_undefined"] = undefined
+    return out
 
 
 def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:
@@ -415,6 +458,6 @@ def case_channel_errors(records: dict[str, np.ndarray]) -> np.ndarray:
     return METRIC_SCALE * records["sse"] / records["cells"][:, None]
 
 
-__all__ = ["DATASET", "SurfaceData", "SurfaceTask", "case_channel_errors", "input_normalizer",
-           "integrated_forces", "load_drivaerml", "output_normalizer", "r_squared",
-           "subset_cells"]
+__all__ = ["DATASET", "R2_SPREAD", "SurfaceData", "SurfaceTask", "case_channel_errors",
+           "force_r_squared", "input_normalizer", "integrated_forces", "load_drivaerml",
+           "output_normalizer", "r_squared", "r_squared_why", "subset_cells"]

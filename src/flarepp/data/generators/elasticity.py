@@ -39,6 +39,7 @@ from flarepp.data.generators._io import check_disk_room, refuse_existing, write_
 from flarepp.data.loaders import ELASTICITY_POINTS as N_POINTS
 from flarepp.data.loaders import ELASTICITY_SIGMA_FILE as SIGMA_FILE
 from flarepp.data.loaders import ELASTICITY_XY_FILE as XY_FILE
+from flarepp.io import save_npy
 
 YOUNG_MODULUS = 1.0
 POISSON_RATIO = 0.3
@@ -274,5 +275,5 @@ def make_elasticity(out: str | Path, *, n_train: int = 1000, n_test: int = 200,
                                             disable=not progress)):
         xy_P2S[:, :, s], sigma_PS[:, s] = elasticity_sample(seed, split, index)
 
-    return write_atomically({paths[0]: lambda handle: np.save(handle, sigma_PS),
-                             paths[1]: lambda handle: np.save(handle, xy_P2S)})
+    return write_atomically({paths[0]: lambda handle: save_npy(handle, sigma_PS),
+                             paths[1]: lambda handle: save_npy(handle, xy_P2S)})

@@ -62,22 +62,23 @@ def make_laplace_store(out: str | Path, *, n_train: int = 1000, n_test: int = 20
     identity = {"generator": "laplace-store", "seed": seed, "points": points,
                 "n_train": n_train, "n_test": n_test}
     check_disk_room(Path(out), n_train + n_test, 16 * points, "laplace-store")  # xyz and u
-    writer = StoreWriter(out, identity, overwrite=overwrite)
     jobs = [("train", 0, i) for i in range(n_train)] + [("test", 1, i) for i in range(n_test)]
     metas, splits = {}, {"train": [], "test": []}
-    for split, code, index in tqdm(jobs, desc="laplace-store", unit="sample",
-                                   disable=not progress):
-        name = f"{split}/sample_{index:06d}"
-        source = {"generator": "laplace-store", "seed": seed, "split": split, "index": index}
-        meta = writer.finished(name, source)
-        if meta is None:
-            xyz, u = harmonic_sample(seed, code, index, points)
-            meta = writer.write(name, {"coordinates": xyz, "u": u},
-                                {"source": source, "conditions": [],
-                                 "layout": LAYOUT.to_dict()})
-        metas[name] = meta
-        splits[split].append(name)
-    writer.finish(LAYOUT, splits, metas)
+    with StoreWriter(out, identity, overwrite=overwrite) as writer:
+        for split, code, index in tqdm(jobs, desc="laplace-store", unit="sample",
+                                       disable=not progress):
+            name = f"{split}/sample_{index:06d}"
+            source = {"generator": "laplace-store", "seed": seed, "split": split,
+                      "index": index}
+            meta = writer.finished(name, source)
+            if meta is None:
+                xyz, u = harmonic_sample(seed, code, index, points)
+                meta = writer.write(name, {"coordinates": xyz, "u": u},
+                                    {"source": source, "conditions": [],
+                                     "layout": LAYOUT.to_dict()})
+            metas[name] = meta
+            splits[split].append(name)
+        writer.finish(LAYOUT, splits, metas)
     return [Path(out) / MANIFEST]
 
 
