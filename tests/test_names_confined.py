@@ -6,8 +6,8 @@ sample ``../x`` or an absolute path was read (``data check --verify`` and ``trai
 an XDMF case's ``Binary`` data item pulled any local file into the store. Every such name
 now goes through :func:`flarepp.io.confined`. This test is generated over the entry points
 (the rows of ``ENTRY_POINTS``) and the attacks (``ATTACKS``): each row is one function that
-turns a hostile name into the path it would become; a later entry point (a study's points,
-``--write-mesh`` names) is one more row. Each pair must be refused, and nothing outside the
+turns a hostile name into the path it would become; a later entry point (``--write-mesh``
+names) is one more row. Each pair must be refused, and nothing outside the
 directory the entry point may write in may change.
 """
 
@@ -188,6 +188,15 @@ def spec_pattern(scene: Scene, attack: str):
                                                               "pattern": pattern}))
 
 
+def study_point(scene: Scene, attack: str):
+    """A study's point name (``study.json``, an Optuna journal's trial): its claim is
+    created as ``claims/<name>/.lock``, its run as ``runs/<name>/``."""
+    from flarepp.storage.studydir import StudyDir
+    study = scene.work / "study"
+    name = scene.name(attack, study / "claims")
+    return study, lambda: StudyDir(study).claim(name).acquire()
+
+
 XDMF = """<?xml version="1.0"?>
 <Xdmf Version="3.0"><Domain><Grid Name="mesh" GridType="Uniform">
 <Topology TopologyType="Triangle" NumberOfElements="1">
@@ -208,6 +217,7 @@ ENTRY_POINTS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "condition table case": (condition_table_case, ("parent", "absolute", "climb")),
     "xdmf data item": (xdmf_data_item, ATTACKS),
     "spec pattern": (spec_pattern, ATTACKS),
+    "study point": (study_point, ATTACKS),
 }
 """Every entry point where a read name becomes a path, with the attacks that apply."""
 
