@@ -6,8 +6,7 @@ sample ``../x`` or an absolute path was read (``data check --verify`` and ``trai
 an XDMF case's ``Binary`` data item pulled any local file into the store. Every such name
 now goes through :func:`flarepp.io.confined`. This test is generated over the entry points
 (the rows of ``ENTRY_POINTS``) and the attacks (``ATTACKS``): each row is one function that
-turns a hostile name into the path it would become; a later entry point (``--write-mesh``
-names) is one more row. Each pair must be refused, and nothing outside the
+turns a hostile name into the path it would become; a later entry point is one more row. Each pair must be refused, and nothing outside the
 directory the entry point may write in may change.
 """
 
@@ -197,6 +196,14 @@ def study_point(scene: Scene, attack: str):
     return study, lambda: StudyDir(study).claim(name).acquire()
 
 
+def write_mesh_name(scene: Scene, attack: str):
+    """A case's name under ``infer --write-mesh DIR``: written as ``DIR/<name>.vtu``."""
+    from flarepp.inference.infer import _Targets
+    out = scene.work / "meshes"
+    name = scene.name(attack, out)
+    return out, lambda: _Targets(out).claim(name, ".vtu")
+
+
 XDMF = """<?xml version="1.0"?>
 <Xdmf Version="3.0"><Domain><Grid Name="mesh" GridType="Uniform">
 <Topology TopologyType="Triangle" NumberOfElements="1">
@@ -218,6 +225,7 @@ ENTRY_POINTS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "xdmf data item": (xdmf_data_item, ATTACKS),
     "spec pattern": (spec_pattern, ATTACKS),
     "study point": (study_point, ATTACKS),
+    "write-mesh name": (write_mesh_name, ATTACKS),
 }
 """Every entry point where a read name becomes a path, with the attacks that apply."""
 
