@@ -31,6 +31,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("plots", ("flarepp.plots", "flarepp.plots3d")),
     ("tasks", ("flarepp.tasks",)),
     ("inference", ("flarepp.inference",)),
+    ("serve", ("flarepp.serve",)),
     ("train", ("flarepp.train",)),
     ("experiments", ("flarepp.experiments", "flarepp.bench")),
     ("cli", ("flarepp.cli", "flarepp.__main__")),

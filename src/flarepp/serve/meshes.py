@@ -1,0 +1,100 @@
+"""A mesh file in, the same mesh with its predicted fields out.
+
+Shape letters: n rows (the mesh's points or cells, as the run's data were), I inputs, O
+outputs.
+
+* **In** (:func:`mesh_request`): the inputs built from the file exactly as the run's data
+  were built: for a run on a converted store, by the conversion's own filters and the
+  channel layout the run stored (:func:`flarepp.data.convert.mesh_inputs`: point positions
+  or cell centres, normals, areas, volumes, named arrays with their unit scales, conditions
+  from the request or the file's field data); for the surface task, each cell's centre and
+  unit normal (:func:`flarepp.inference.infer.geometry_case`).
+* **Out** (:func:`write_prediction`): the file's mesh with ``pred_<field>`` point or cell
+  arrays (:func:`flarepp.data.meshes.write_fields`), as VTK XML (``.vtp`` for polygon
+  surfaces and point clouds, ``.vtu`` for every other mesh); with ``surface`` its outer
+  surface as ``.vtp`` (what a browser's vtk.js draws). A surface run's integrated force
+  ``F = sum_cells (-p n + tau_w) A`` (:func:`flarepp.tasks.surface.integrated_forces`) is
+  stored as the field data ``force``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flarepp.data.convert import mesh_inputs
+from flarepp.data.meshes import read_mesh, write_fields
+from flarepp.inference.infer import geometry_case
+from flarepp.serve.run import SURFACE_TASK, ServedRun
+from flarepp.storage.locks import file_safe
+from flarepp.tasks.surface import integrated_forces
+
+
+@dataclass
+class MeshRequest:
+    """A mesh's inputs for one run: ``x [n, I]``, ``conditions [C]`` (None for a model that
+    takes none), where the rows live (``association``) and, for a surface run, cell
+    ``areas [n]`` (for its force)."""
+
+    x: np.ndarray
+    conditions: np.ndarray | None
+    association: str
+    areas: np.ndarray | None = None
+
+
+def mesh_request(run: ServedRun, path: Path, conditions: dict[str, float]) -> MeshRequest:
+    """The inputs of the mesh file ``path`` for ``run`` (module docstring); ``conditions``
+    by name in the run's units. Raises a sentence for a run whose inputs cannot be built
+    from a mesh, a file no reader takes, or conditions the run lacks."""
+    refused = run.mesh_support()
+    if refused is not None:
+        raise ValueError(refused)
+    if run.task == SURFACE_TASK:
+        if conditions:
+            raise ValueError(f"this surface run takes no conditions, got {sorted(conditions)}")
+        case = geometry_case(path)
+        return MeshRequest(case.x[0], None, "cell", case.areas)
+    x, values = mesh_inputs(path, run.channels, conditions)
+    takes = run.layout.conditions is not None
+    return MeshRequest(x, np.asarray(values, np.float32) if takes else None,
+                       run.channels.association)
+
+
+def integrated_force(request: MeshRequest, fields_NO: np.ndarray) -> np.ndarray | None:
+    """A surface run's force ``[3]`` (float64) on the mesh, None for any other run."""
+    if request.areas is None or fields_NO.shape[-1] != 4:
+        return None
+    fields, normals = (torch.from_numpy(np.asarray(a, np.float64)[None])
+                       for a in (fields_NO, request.x[:, 3:6]))
+    return integrated_forces(fields, normals, torch.from_numpy(request.areas[None])).numpy()[0]
+
+
+def field_names(run: ServedRun, outputs: int) -> list[str]:
+    """The names the predicted arrays get: the run's field names (file-safe), else y<k>."""
+    names = [file_safe(n) for n in run.layout.field_names]
+    return names if len(names) == outputs else [f"y{k}" for k in range(outputs)]
+
+
+def write_prediction(source: Path, request: MeshRequest, fields_NO: np.ndarray,
+                     names: list[str], out: Path, *, force: np.ndarray | None = None,
+                     surface: bool = False) -> Path:
+    """``source``'s mesh with ``pred_<name>`` arrays (and field data ``force``) written
+    beside ``out``'s stem (module docstring); the path written."""
+    mesh = read_mesh(source)
+    if force is not None:
+        mesh.field_data["force"] = np.asarray(force, np.float64)
+    arrays = {f"pred_{name}": fields_NO[:, k] for k, name in enumerate(names)}
+    written = write_fields(mesh, arrays, request.association, out, where=source.name)
+    if not surface or written.suffix == ".vtp":
+        return written
+    outer = read_mesh(written).extract_surface(pass_pointid=False, pass_cellid=False)
+    if force is not None:
+        outer.field_data["force"] = np.asarray(force, np.float64)
+    return write_fields(outer, {}, request.association, out.with_name(out.name + "-surface"))
+
+
+__all__ = ["MeshRequest", "field_names", "integrated_force", "mesh_request",
+           "write_prediction"]
