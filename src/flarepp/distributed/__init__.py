@@ -19,7 +19,7 @@ from flarepp.distributed.parallel import (ContextParallel, ContextParallelBacken
                                           shard_sizes, shard_slice)
 from flarepp.distributed.shardable import (SHARDABLE_MIXERS, SHARDABLE_MODELS,
                                            check_token_shardable)
-from flarepp.distributed.streaming import StreamingBackend, stream_forward
+from flarepp.distributed.streaming import StreamingBackend, stream_forward, streaming_refusal
 
 __all__ = [
     "ContextParallel", "ContextParallelBackend", "RankFailure", "SHARDABLE_MIXERS",
@@ -27,5 +27,5 @@ __all__ = [
     "check_replicas", "check_token_shardable", "context_parallel",
     "distributed_encode_with_lse", "gather_tokens", "global_sum",
     "merge_across_ranks", "run_on_ranks", "shard_sizes", "shard_slice",
-    "stream_forward",
+    "stream_forward", "streaming_refusal",
 ]

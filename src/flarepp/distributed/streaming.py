@@ -336,6 +336,22 @@ def _to(x: torch.Tensor | None, sl: slice, device: torch.device) -> torch.Tensor
     return None if x is None else x[:, sl].to(device)
 
 
+def streaming_refusal(model: nn.Module) -> str | None:
+    """Why :func:`stream_forward` cannot stream ``model`` (a mixer or architecture that is
+    not token-shardable, or no ``streaming_plan()``), as its error says it; None when it
+    can."""
+    try:
+        check_token_shardable(model, "stream_forward")
+    except ValueError as err:
+        return str(err)
+    if getattr(model, "streaming_plan", None) is None:
+        return (f"stream_forward: {type(model).__name__} declares no streaming_plan() (its "
+                "forward as pointwise stages around residual blocks, flarepp.models.backbone."
+                "StreamingPlan), so it cannot be streamed block by block; run it unchunked "
+                "or declare the plan")
+    return None
+
+
 def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor | None = None,
                    *, chunk_size: int, device: torch.device | str | None = None,
                    group: dist.ProcessGroup | None = None, hidden_on: str = "auto",
@@ -359,18 +375,14 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     Raises ``ValueError`` for a model with a mixer that cannot stream or without a
     ``streaming_plan()`` (see :class:`~flarepp.models.backbone.StreamingPlan`).
     """
-    check_token_shardable(model, "stream_forward")
+    refusal = streaming_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if hidden_on not in HIDDEN_ON:
         raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got {hidden_on!r}")
-    plan_of = getattr(model, "streaming_plan", None)
-    if plan_of is None:
-        raise ValueError(f"stream_forward: {type(model).__name__} declares no streaming_plan() "
-                         "(its forward as pointwise stages around residual blocks, "
-                         "flarepp.models.backbone.StreamingPlan), so it cannot be streamed "
-                         "block by block; run it unchunked or declare the plan")
-    plan = plan_of()
+    plan = model.streaming_plan()
     device = (next(model.parameters()).device if device is None else torch.device(device))
     batch, n_tokens = x_BNI.shape[:2]
     chunks = _chunks(n_tokens, chunk_size)

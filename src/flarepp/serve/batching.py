@@ -8,7 +8,9 @@ with ``features [B, N, F]``, ``conditions [B, K, C]`` and ``mask [B, N]``. One w
 model (:meth:`MicroBatcher.work`) takes the jobs in arrival order:
 
 * a job of more than ``chunk_size`` points runs alone, streamed ``chunk_size`` points at a
-  time (exact: the encoder's partial sums merge by the log-sum-exp rule, paper App. B);
+  time (exact: the encoder's partial sums merge by the log-sum-exp rule, paper App. B), or
+  whole for a model that cannot be streamed (``streams`` False: its memory then grows with
+  the points, up to the request budget);
 * otherwise the worker takes with it every job already waiting whose channels match, while
   their padded points (samples x longest N) stay within ``chunk_size`` and their count
   within ``max_batch``; the samples are padded to the longest N with a mask (False at
@@ -90,16 +92,16 @@ def make_job(points: Any, features: Any = None, conditions: Any = None, mask: An
     return Job(p, f, c, m, single, True, deadline)
 
 
-def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size: int
-                 ) -> list[Any]:
+def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size: int,
+                 streams: bool = True) -> list[Any]:
     """Each job's fields (or the exception its prediction raised), the jobs predicted in one
     padded forward when there are several (module docstring)."""
     if len(jobs) == 1:
         job = jobs[0]
+        chunk = chunk_size if streams and job.points_count > chunk_size else None
         try:
             out = predict(job.points, features=job.features, conditions=job.conditions,
-                          mask=job.mask,
-                          chunk_size=chunk_size if job.points_count > chunk_size else None)
+                          mask=job.mask, chunk_size=chunk)
         except ValueError as err:
             return [err]
         return [out[0] if job.stacked and job.single else out]
@@ -126,7 +128,7 @@ def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size
         out = predict(stack("points"), features=stack("features"),
                       conditions=stack("conditions"), mask=mask if padded else None)
     except ValueError:
-        return [predict_jobs(predict, [j], chunk_size)[0] for j in jobs]
+        return [predict_jobs(predict, [j], chunk_size, streams)[0] for j in jobs]
     results = []
     for start, j in zip(np.cumsum([0] + sizes), jobs):
         rows = out[start:start + len(j.points), :j.points.shape[1]]
@@ -136,12 +138,13 @@ def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size
 
 class MicroBatcher:
     """One model's queue and worker (module docstring). ``predict`` is the run's
-    (physical units in and out); ``observe(jobs, seconds)`` is told of each forward."""
+    (physical units in and out); ``streams``: its model can be streamed in chunks;
+    ``observe(jobs, seconds)`` is told of each forward."""
 
     def __init__(self, predict: Callable[..., np.ndarray], *, chunk_size: int,
-                 max_batch: int, max_queue: int,
+                 max_batch: int, max_queue: int, streams: bool = True,
                  observe: Callable[[int, float], None] | None = None) -> None:
-        self.predict, self.chunk_size = predict, chunk_size
+        self.predict, self.chunk_size, self.streams = predict, chunk_size, streams
         self.max_batch, self.max_queue = max_batch, max_queue
         self.observe = observe
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
@@ -196,7 +199,7 @@ class MicroBatcher:
             started = time.perf_counter()
             try:
                 results = await asyncio.to_thread(predict_jobs, self.predict, batch,
-                                                  self.chunk_size)
+                                                  self.chunk_size, self.streams)
             except Exception as err:            # a failure of the model itself: 500 each
                 results = [err] * len(batch)
             if self.observe is not None:

@@ -24,6 +24,7 @@ import numpy as np
 from flarepp.data.convert import layout_spec
 from flarepp.data.layout import ChannelLayout
 from flarepp.data.spec import SpecError
+from flarepp.distributed.streaming import streaming_refusal
 from flarepp.inference.predictor import InputLayout, load_predictor
 from flarepp.storage.checkpoint import read_checkpoint
 from flarepp.storage.rundir import RunDir
@@ -35,13 +36,15 @@ SURFACE_TASK = "surface"      # inputs: a surface's cell centres and unit normal
 class ServedRun:
     """``predict`` (physical inputs in, fields ``[(B,) N, O]`` out), the run's input
     ``layout``, its ``task``, the channel layout its data was converted with (``channels``;
-    None where the run stored none) and the ``checkpoint`` it came from."""
+    None where the run stored none), the ``checkpoint`` it came from, and why its model
+    cannot be streamed in chunks (``streaming``; None when it can: paper App. B)."""
 
     predict: Callable[..., np.ndarray]
     layout: InputLayout
     task: str
     channels: ChannelLayout | None
     checkpoint: Path
+    streaming: str | None = None
 
     @property
     def coordinates(self) -> int:
@@ -78,7 +81,8 @@ class ServedRun:
                 "conditions": None if layout.conditions is None else list(layout.conditions),
                 "condition_names": list(layout.condition_names),
                 "field_names": list(layout.field_names), "units": layout.units,
-                "association": association, "mesh": self.mesh_support() or "supported"}
+                "association": association, "mesh": self.mesh_support() or "supported",
+                "streaming": self.streaming or "supported"}
 
 
 def load_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
@@ -92,7 +96,7 @@ def load_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
     if channels is not None and predictor.layout.conditions is None:
         channels = channels.with_conditions([])        # the model takes none of them
     return ServedRun(predictor.predict, predictor.layout, predictor.config.task, channels,
-                     checkpoint)
+                     checkpoint, streaming_refusal(predictor.model))
 
 
 __all__ = ["SURFACE_TASK", "ServedRun", "load_run"]

@@ -103,7 +103,7 @@ class SurrogateModel(kserve.Model):
         self.run, self.limits = run, limits
         self.batcher = MicroBatcher(run.predict, chunk_size=limits.chunk_size,
                                     max_batch=limits.max_batch, max_queue=limits.max_queue,
-                                    observe=self._observe)
+                                    streams=run.streaming is None, observe=self._observe)
         self.ready = True
 
     def _observe(self, requests: int, seconds: float) -> None:

@@ -1,0 +1,87 @@
+"""``flarepp serve`` as a child process: started, waited for, measured, stopped (what the load
+benchmark and the tests do; no KServe import on this side).
+
+The child prints one line once it answers (``flarepp serve: REST http://HOST:PORT gRPC
+HOST:PORT page ... models ...``); :func:`start_server` reads the addresses from it, on ports
+the child chose (``--port 0 --grpc-port 0``: no two servers race for one port).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+READY = re.compile(r"flarepp serve: REST http://(?P<rest>\S+)(?: gRPC (?P<grpc>\S+))? page")
+
+
+@dataclass
+class ServerProcess:
+    """A running ``flarepp serve``: its process, REST and gRPC ``host:port``."""
+
+    process: subprocess.Popen
+    rest: str
+    grpc: str | None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def peak_memory_bytes(self) -> int:
+        """The child's peak resident memory so far (``VmHWM``, Linux), 0 where unknown."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return 0
+        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+        return int(found.group(1)) * 1024 if found else 0
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (the server finishes what it answers, then exits), SIGKILL past
+        ``timeout``; the exit status."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
+def start_server(runs: list[str], options: list[str] | tuple[str, ...] = (), *,
+                 env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None, log: Any = subprocess.DEVNULL,
+                 timeout: float = 180.0) -> ServerProcess:
+    """``flarepp serve RUNS --port 0 --grpc-port 0 OPTIONS`` started and answering (or a
+    RuntimeError with why not: it exited, or said nothing within ``timeout`` seconds);
+    ``log`` takes its stderr."""
+    command = [sys.executable, "-m", "flarepp", "serve", *runs, "--port", "0",
+               "--grpc-port", "0", *options]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
+                               env=env if env is not None else dict(os.environ), cwd=cwd)
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as wait:
+        wait.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not wait.select(max(0.0, deadline - time.monotonic())):
+                break
+            line = process.stdout.readline()
+            if not line:                       # the child closed stdout: it exited
+                process.wait()
+                raise RuntimeError(f"flarepp serve exited with status {process.returncode} "
+                                   "before it answered")
+            found = READY.search(line)
+            if found:
+                return ServerProcess(process, found["rest"], found["grpc"])
+    process.kill()
+    process.wait()
+    raise RuntimeError(f"flarepp serve did not answer within {timeout:g} s")
+
+
+__all__ = ["READY", "ServerProcess", "start_server"]

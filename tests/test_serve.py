@@ -1,0 +1,561 @@
+"""`flarepp serve` (issue 39): trained runs behind KServe's model server.
+
+The process tests start ``flarepp serve`` on loopback ports the server chose, with a token
+and a small budget, serving a conditioned store run (elasticity meshes) and a surface run,
+and call it as users do: ``tritonclient`` over HTTP and gRPC, the mesh endpoint with a
+multipart upload, raw sockets for a stalled client. Every answer is compared with
+``flarepp.load(run).predict`` (1e-6), every bad request must get a 4xx with a sentence and
+leave the server answering. The batcher, the guard and the command line's refusals are
+checked in this process without a server (KServe is never imported here: its gRPC protos and
+``tritonclient``'s share names and cannot both be loaded in one process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import socket
+import sys
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("pyvista")
+if importlib.util.find_spec("kserve") is None:
+    pytest.skip("flarepp serve needs KServe: pip install 'flarepp[serve]'",
+                allow_module_level=True)
+http = pytest.importorskip("tritonclient.http")
+grpc_client = pytest.importorskip("tritonclient.grpc")
+
+import flarepp  # noqa: E402
+from flarepp.cli import main  # noqa: E402
+from flarepp.inference.infer import geometry_case  # noqa: E402
+from flarepp.inference.predictor import Predictor  # noqa: E402
+from flarepp.serve.batching import MicroBatcher, make_job  # noqa: E402
+from flarepp.serve.limits import Guard, Limits, Refused  # noqa: E402
+from flarepp.serve.process import start_server  # noqa: E402
+from flarepp.tasks.surface import integrated_forces  # noqa: E402
+from tiny_runs import tiny_store_run, tiny_surface_run  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("serve")    # one server, its tests in file order
+TOKEN = "a-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHUNK = 4096
+SERVE_OPTIONS = ["--chunk-size", str(CHUNK), "--max-points", "300000", "--max-body-mb", "8",
+                 "--read-timeout", "2", "--device", "cpu"]
+
+
+def assert_same(got, want):
+    """Equal to 1e-6 of the fields' scale (float32 sums in another order differ by rounding)."""
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(1.0, np.abs(want).max()))
+
+
+def read_answer(sock: socket.socket) -> str:
+    """One HTTP response off a raw socket: its head and its body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the batcher, the guard, the command line: no server
+
+def _random_predictor() -> Predictor:
+    model = flarepp.build_model(mixer="flarepp", in_dim=2, out_dim=3, dim=16, heads=2,
+                                blocks=2, latents=4)
+    return Predictor(model.eval(), device="cpu")
+
+
+def test_padded_batches_equal_each_request_alone():
+    """Jobs of different sizes (one with its own mask) queued together are predicted in one
+    padded forward, and each gets exactly what it gets alone (1e-6); a NaN job in the batch
+    gets its own error and no other job does; a job above the chunk streams alone, equal to
+    the plain forward; a job past its deadline and one at a full queue get 429. A failure
+    points to padding that leaks into the real points, or answers handed to the wrong job."""
+    predictor = _random_predictor()
+    calls = []
+
+    def predict(*args, **kwargs):
+        calls.append((np.shape(args[0]), kwargs.get("chunk_size")))
+        return predictor.predict(*args, **kwargs)
+
+    rng = np.random.default_rng(0)
+    meshes = [rng.random((n, 2), dtype=np.float32) for n in (50, 80, 30)]
+    own_mask = rng.random(80) > 0.3
+    nan = meshes[2].copy()
+    nan[4, 1] = np.nan
+    big = rng.random((1, 500, 2), dtype=np.float32)
+
+    async def scenario():
+        batcher = MicroBatcher(predict, chunk_size=400, max_batch=8, max_queue=5)
+        jobs = [make_job(meshes[0]), make_job(meshes[1], mask=own_mask), make_job(nan),
+                make_job(meshes[2]), make_job(big)]
+        futures = [asyncio.ensure_future(batcher.submit(j)) for j in jobs]
+        await asyncio.sleep(0)                       # all five queued before the worker
+        with pytest.raises(Refused, match="busy: 5 requests are queued") as full:
+            await batcher.submit(make_job(meshes[0]))
+        assert full.value.status == 429
+        worker = asyncio.ensure_future(batcher.work())
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        late = asyncio.ensure_future(batcher.submit(make_job(meshes[0], deadline=0.0)))
+        with pytest.raises(Refused, match="waited in the queue past its time budget"):
+            await late
+        worker.cancel()
+        return results
+
+    results = asyncio.run(scenario())
+    assert calls[0] == ((4, 80, 2), None)            # the four small jobs in one forward
+    assert_same(results[0], predictor.predict(meshes[0]))
+    alone = predictor.predict(meshes[1], mask=own_mask)
+    assert_same(results[1], alone)
+    assert isinstance(results[2], ValueError) and "NaN" in str(results[2])
+    assert_same(results[3], predictor.predict(meshes[2]))
+    assert calls[-1] == ((1, 500, 2), 400)           # streamed alone, in chunks of 400
+    assert_same(results[4], predictor.predict(big))
+
+
+def _asgi(guard: Guard, path: str, headers: dict[str, str], chunks: list[bytes],
+          stall: bool = False) -> tuple[int, dict, bytes | None]:
+    """``(status, JSON answer, body the app received)`` of one request through ``guard``."""
+    seen: dict = {}
+
+    async def app(scope, receive, send):
+        seen["body"] = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard.app = app
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1 or stall}
+               for i, c in enumerate(chunks)]
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        await asyncio.sleep(3600)                    # a client that stopped sending
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": path,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    asyncio.run(guard(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body), seen.get("body")
+
+
+def test_the_guard_refuses_with_a_sentence_and_passes_the_rest():
+    """No token or a wrong one: 401; the health endpoints and the page stay open; the model
+    repository's load/unload: 403; a body over the budget, declared or streamed: 413; a body
+    that stops arriving: 408 after the read timeout; a good request reaches the app with its
+    body whole. A failure points to a guard that lets a request through or blocks a probe."""
+    limits = Limits(max_body_bytes=100, read_timeout=0.2)
+    guard = Guard(None, token=TOKEN, limits=limits)
+    status, answer, _ = _asgi(guard, "/v2/models/m/infer", {}, [b"{}"])
+    assert status == 401 and "needs a token" in answer["error"]
+    status, answer, _ = _asgi(guard, "/v2/models/m/infer", {"Authorization": "Bearer x"}, [b""])
+    assert status == 401 and "the token is wrong" in answer["error"]
+    for path in ("/v2/health/ready", "/v2/health/live", "/page/", "/page/vtk.js"):
+        assert _asgi(guard, path, {}, [b""])[0] == 200
+    status, answer, _ = _asgi(guard, "/v2/repository/models/m/unload", AUTH, [b""])
+    assert status == 403 and "repository management is off" in answer["error"]
+    status, answer, _ = _asgi(guard, "/v2/models/m/infer", {**AUTH, "Content-Length": "101"},
+                              [b"x" * 101])
+    assert status == 413 and "101 bytes, over this server's budget of 100" in answer["error"]
+    status, answer, _ = _asgi(guard, "/v2/models/m/infer", AUTH, [b"x" * 60, b"x" * 60])
+    assert status == 413 and "120 bytes" in answer["error"]
+    status, answer, _ = _asgi(guard, "/v2/models/m/infer", AUTH, [b"x" * 10], stall=True)
+    assert status == 408 and "did not arrive within 0.2 s" in answer["error"]
+    status, _, body = _asgi(guard, "/v2/models/m/infer", AUTH, [b"ab", b"cd"])
+    assert (status, body) == (200, b"abcd")
+
+
+def test_listening_beyond_loopback_needs_a_token(tmp_path, capsys, monkeypatch):
+    """`--host 0.0.0.0` without a token is a usage error naming the option, before any run
+    is loaded or KServe imported; a token file that is missing is named too."""
+    monkeypatch.delenv("FLAREPP_SERVE_TOKEN", raising=False)
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0 listens beyond this machine: give a token" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--token-file", str(tmp_path / "none")]) == 2
+    assert "--token-file" in capsys.readouterr().err
+    assert "kserve" not in sys.modules
+
+
+# ---------------------------------------------------------------------------------------------
+# a server
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-runs")
+    cases, _, store_run = tiny_store_run(root)
+    surfaces, surface_run = tiny_surface_run(root)
+    return {"cases": cases, "elastic": store_run, "surfaces": surfaces, "car": surface_run}
+
+
+@pytest.fixture(scope="module")
+def server(runs, tmp_path_factory):
+    """``flarepp serve elastic=... car=...`` with a token, in a working directory, HOME and
+    TMPDIR of its own (checked empty when it stops)."""
+    root = tmp_path_factory.mktemp("serve-process")
+    dirs = {name: root / name for name in ("cwd", "home", "tmp")}
+    for d in dirs.values():
+        d.mkdir()
+    token_file = root / "token"
+    token_file.write_text(TOKEN + "\n")
+    env = {**os.environ, "HOME": str(dirs["home"]), "TMPDIR": str(dirs["tmp"])}
+    with open(root / "server.log", "w") as log:
+        process = start_server([f"elastic={runs['elastic']}", f"car={runs['car']}"],
+                               ["--token-file", str(token_file), *SERVE_OPTIONS], env=env,
+                               cwd=dirs["cwd"], log=log)
+    # what importing flarepp writes (matplotlib's per-user font cache, once), before serving
+    dirs["home_at_start"] = _tree(dirs["home"])
+    yield process, dirs
+    process.stop()
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return {name: flarepp.load(runs[name], device="cpu") for name in ("elastic", "car")}
+
+
+def infer(client_module, server, model, arrays, headers=AUTH):
+    process, _ = server
+    url = process.rest if client_module is http else process.grpc
+    client = client_module.InferenceServerClient(url)
+    inputs = []
+    for name, value in arrays.items():
+        tensor = client_module.InferInput(name, list(value.shape),
+                                          "BOOL" if value.dtype == bool else "FP32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    # a copy: tritonclient's HTTP client adds its own entries to the dict it is given
+    metadata = dict(headers) if client_module is http else {k.lower(): v
+                                                           for k, v in headers.items()}
+    return client.infer(model, inputs, headers=metadata).as_numpy("fields")
+
+
+def request(server, path, *, data=None, headers=AUTH, method=None):
+    """``(status, body, headers)`` of a REST call (headers: case-insensitive)."""
+    process, _ = server
+    req = urllib.request.Request(f"http://{process.rest}{path}", data=data,
+                                 headers=dict(headers), method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return response.status, response.read(), response.headers
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), err.headers
+
+
+def upload(server, model, filename, content, conditions=None, query="", headers=AUTH):
+    """The mesh endpoint with a multipart body (the file as ``mesh``, ``conditions``)."""
+    boundary = uuid.uuid4().hex
+    parts = [(f'--{boundary}\r\nContent-Disposition: form-data; name="mesh"; '
+              f'filename="{filename}"\r\n\r\n').encode() + content + b"\r\n"]
+    if conditions is not None:
+        parts.append((f'--{boundary}\r\nContent-Disposition: form-data; name="conditions"'
+                      f'\r\n\r\n{json.dumps(conditions)}\r\n').encode())
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return request(server, f"/v2/models/{model}/mesh{query}", data=body,
+                   headers={**headers, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+
+def points_of(rng, n):
+    return rng.random((n, 2), dtype=np.float32)
+
+
+def assert_still_serving(server, reference):
+    """The server answers a good request, exactly."""
+    rng = np.random.default_rng(99)
+    x, c = points_of(rng, 64), np.array([1.1], np.float32)
+    got = infer(http, server, "elastic", {"points": x, "conditions": c})
+    assert_same(got, reference["elastic"].predict(x, conditions=c))
+
+
+@pytest.mark.slow
+def test_tritonclient_over_http_and_grpc_gets_what_load_predict_gives(server, reference):
+    """One mesh [N, 2] and a padded batch [B, N, 2] with a mask, each with its conditions,
+    over HTTP and gRPC: what `flarepp.load(run).predict` gives (1e-6). A failure points to a
+    tensor decoded in the wrong layout, a lost mask or conditions, or units not restored."""
+    rng = np.random.default_rng(1)
+    one, c1 = points_of(rng, 300), np.array([1.3], np.float32)
+    batch = rng.random((3, 200, 2), dtype=np.float32)
+    mask = np.ones((3, 200), bool)
+    mask[1, 150:] = mask[2, 90:] = False
+    cb = np.array([[[0.9]], [[1.2]], [[1.8]]], np.float32)
+    expect_one = reference["elastic"].predict(one, conditions=c1)
+    expect_batch = reference["elastic"].predict(batch, conditions=cb, mask=mask)
+    for client in (http, grpc_client):
+        assert_same(infer(client, server, "elastic",
+                                         {"points": one, "conditions": c1}),
+                                   expect_one)
+        got = infer(client, server, "elastic",
+                    {"points": batch, "conditions": cb, "mask": mask})
+        assert_same(got, expect_batch)
+
+
+@pytest.mark.slow
+def test_concurrent_clients_each_get_their_own_exact_answer(server, reference):
+    """16 clients at once, meshes of different sizes and conditions (batched together where
+    they arrive together): each answer is its own request's (1e-6), none lost."""
+    rng = np.random.default_rng(2)
+    work = [(points_of(rng, int(n)), np.array([0.8 + 0.1 * k], np.float32))
+            for k, n in enumerate(rng.integers(100, 900, 16))]
+    answers: dict[int, np.ndarray] = {}
+
+    def client(k):
+        x, c = work[k]
+        answers[k] = infer(grpc_client if k % 2 else http, server, "elastic",
+                           {"points": x, "conditions": c})
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(answers) == list(range(len(work)))
+    for k, (x, c) in enumerate(work):
+        assert_same(answers[k], reference["elastic"].predict(x, conditions=c))
+
+
+@pytest.mark.slow
+def test_a_request_above_the_chunk_streams_exactly(server, reference):
+    """10000 cells with a chunk of 4096 for the surface run (a streamable backbone):
+    streamed, equal to the whole forward (1e-6); the conditioned run's architecture cannot
+    stream (its metadata says why), so its 10000 points run whole, exactly too."""
+    rng = np.random.default_rng(3)
+    cells = rng.random((10_000, 6), dtype=np.float32)
+    got = infer(grpc_client, server, "car", {"points": cells[:, :3], "features": cells[:, 3:]})
+    assert_same(got, reference["car"].predict(cells[:, :3],
+                                                             features=cells[:, 3:]))
+    x, c = points_of(rng, 10_000), np.array([1.5], np.float32)
+    got = infer(grpc_client, server, "elastic", {"points": x, "conditions": c})
+    assert_same(got, reference["elastic"].predict(x, conditions=c))
+    layouts = {m: json.loads(request(server, f"/v2/models/{m}")[1])["parameters"]["layout"]
+               for m in ("car", "elastic")}
+    assert layouts["car"]["streaming"] == "supported"
+    assert "'conditioned' is not known to be pointwise" in layouts["elastic"]["streaming"]
+
+
+@pytest.mark.slow
+def test_metadata_gives_the_tensors_and_the_layout(server):
+    """The v2 metadata: the tensors with the run's sizes (REST and gRPC), and over REST the
+    layout (names, units, conditions, what the mesh endpoint takes)."""
+    status, body, _ = request(server, "/v2/models/elastic")
+    meta = json.loads(body)
+    assert status == 200
+    assert [(t["name"], t["shape"]) for t in meta["inputs"]] == [
+        ("points", [-1, -1, 2]), ("mask", [-1, -1]), ("conditions", [-1, 1, 1])]
+    assert meta["outputs"] == [{"name": "fields", "datatype": "FP32", "shape": [-1, -1, 1]}]
+    layout = meta["parameters"]["layout"]
+    assert layout["field_names"] == ["von_mises"] and layout["condition_names"] == ["load"]
+    assert layout["association"] == "point" and layout["mesh"] == "supported"
+    grpc_meta = grpc_client.InferenceServerClient(server[0].grpc).get_model_metadata(
+        "car", headers={"authorization": f"Bearer {TOKEN}"})
+    assert [(t.name, list(t.shape)) for t in grpc_meta.inputs] == [
+        ("points", [-1, -1, 3]), ("features", [-1, -1, 3]), ("mask", [-1, -1])]
+
+
+@pytest.mark.slow
+def test_the_mesh_endpoint_returns_the_mesh_with_its_predicted_fields(server, runs, reference,
+                                                                      tmp_path):
+    """A solver's VTU (not in the store's training split) with its condition given, then
+    from its own field data: the same mesh (points, cells) with ``pred_von_mises`` equal to
+    `predict` at its points (1e-6); the summary header says so; ``surface=true`` gives a
+    VTP. A failure points to inputs built differently from the store's conversion, or
+    fields written onto the wrong rows."""
+    import pyvista as pv
+    source = runs["cases"] / "test" / "case_0001.vtu"
+    mesh = pv.read(source)
+    x = np.asarray(mesh.points[:, :2], np.float32)
+    for conditions, load in (({"load": 1.7}, 1.7), (None, float(mesh.field_data["load"][0]))):
+        status, body, headers = upload(server, "elastic", "case_0001.vtu",
+                                       source.read_bytes(), conditions)
+        assert status == 200, body
+        (tmp_path / "out.vtu").write_bytes(body)
+        out = pv.read(tmp_path / "out.vtu")
+        assert (out.n_points, out.n_cells) == (mesh.n_points, mesh.n_cells)
+        expect = reference["elastic"].predict(x, conditions=np.array([load], np.float32))
+        assert_same(out.point_data["pred_von_mises"], expect[:, 0])
+        summary = json.loads(headers["Flarepp-Summary"])
+        assert summary["rows"] == mesh.n_points and summary["force"] is None
+        assert summary["fields"]["von_mises"] == pytest.approx(
+            [float(expect.min()), float(expect.max())], abs=1e-6)
+    status, body, _ = upload(server, "elastic", "case.vtu", source.read_bytes(), {"load": 1},
+                             "?surface=true")
+    assert status == 200 and body.startswith(b"<?xml") and b"PolyData" in body[:300]
+
+
+@pytest.mark.slow
+def test_a_surface_run_gets_its_fields_and_force_from_an_stl(server, runs, reference, tmp_path):
+    """An STL of a body (geometry only): each triangle's pressure and wall shear equal
+    `predict` at the cell centres and normals DrivAerML's reader computes (1e-6), and the
+    force in the summary and the file is ``sum (-p n + tau) A`` of those (1e-9 relative)."""
+    import pyvista as pv
+    stl = tmp_path / "body.stl"
+    pv.read(runs["surfaces"] / "run_3" / "boundary_3.vtp").triangulate().save(stl)
+    status, body, headers = upload(server, "car", "body.stl", stl.read_bytes())
+    assert status == 200, body
+    (tmp_path / "out.vtp").write_bytes(body)
+    out = pv.read(tmp_path / "out.vtp")
+    case = geometry_case(stl)
+    expect = reference["car"].predict(case.x[0, :, :3], features=case.x[0, :, 3:])
+    got = np.stack([out.cell_data[f"pred_{n}"] for n in ("p_s", "tau_x", "tau_y", "tau_z")], 1)
+    assert_same(got, expect)
+    force = integrated_forces(torch.from_numpy(expect[None]).double(),
+                              torch.from_numpy(case.x[:1, :, 3:6]).double(),
+                              torch.from_numpy(case.areas[None]))[0].numpy()
+    summary = json.loads(headers["Flarepp-Summary"])
+    np.testing.assert_allclose(summary["force"], force, rtol=1e-9)
+    np.testing.assert_allclose(out.field_data["force"], force, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad requests: a 4xx with a sentence each, and the server keeps serving
+
+@pytest.mark.slow
+def test_wrong_shapes_get_400_naming_the_shape(server, reference):
+    rng = np.random.default_rng(4)
+    with pytest.raises(InferenceServerException, match="points have 3 channels, but this "
+                       "run's model takes 2 coordinate channels") as err:
+        infer(http, server, "elastic", {"points": rng.random((50, 3), dtype=np.float32),
+                                        "conditions": np.array([1.0], np.float32)})
+    assert err.value.status() == "400"
+    with pytest.raises(InferenceServerException, match=r"conditions must be \[B, K, C\]"):
+        infer(grpc_client, server, "elastic", {"points": points_of(rng, 50),
+                                               "conditions": np.ones((1, 2, 3), np.float32)})
+    with pytest.raises(InferenceServerException, match="input 'pressure' is unknown: model "
+                       "'elastic' takes points, mask, conditions"):
+        infer(http, server, "elastic", {"points": points_of(rng, 5),
+                                        "pressure": np.ones((5, 1), np.float32)})
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_nan_inputs_get_400(server, reference):
+    x = points_of(np.random.default_rng(5), 40)
+    x[7, 0] = np.nan
+    with pytest.raises(InferenceServerException, match="NaN or inf at real points") as err:
+        infer(http, server, "elastic", {"points": x, "conditions": np.array([1.0], np.float32)})
+    assert err.value.status() == "400"
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_a_broken_or_unreadable_mesh_gets_400_naming_the_file(server, reference):
+    for name, content, said in (
+            ("broken.vtu", b"<?xml version='1.0'?><VTKFile type='Unstr", "mesh.vtu"),
+            ("notes.xyz", b"1 2 3", "no registered mesh format reads '.xyz' files"),
+            ("empty.stl", b"", "empty (0 bytes)")):
+        status, body, _ = upload(server, "elastic", name, content, {"load": 1.0})
+        assert status == 400, (name, body)
+        assert said in json.loads(body)["error"], (name, body)
+    status, body, _ = upload(server, "elastic", "x.vtu", b"", {"load": "heavy"})
+    assert status == 400 and "conditions must be a JSON object of numbers" in body.decode()
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_a_huge_mesh_or_request_gets_413(server, reference):
+    """A 9 MiB upload (budget 8 MiB) is refused from its declared length, before its body
+    is read (as curl sends it: ``Expect: 100-continue``); 400000 points (budget 300000)
+    after decoding."""
+    host, port = server[0].rest.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(b"POST /v2/models/elastic/mesh HTTP/1.1\r\nHost: x\r\n"
+                       b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                       b"Content-Type: multipart/form-data; boundary=b\r\n"
+                       b"Expect: 100-continue\r\nContent-Length: 9437184\r\n\r\n")
+        answer = read_answer(client)
+    assert answer.startswith("HTTP/1.1 413")
+    assert "9437184 bytes, over this server's budget of 8388608 bytes" in answer
+    x = points_of(np.random.default_rng(6), 400_000)
+    with pytest.raises(InferenceServerException, match="holds 400000 points, over this "
+                       "server's budget of 300000 points") as err:
+        infer(http, server, "elastic", {"points": x, "conditions": np.ones(1, np.float32)})
+    assert err.value.status() == "413"
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_a_wrong_or_missing_token_gets_401(server, reference):
+    x, c = points_of(np.random.default_rng(7), 10), np.ones(1, np.float32)
+    for headers, said in (({}, "this server needs a token"),
+                          ({"Authorization": "Bearer nope"}, "the token is wrong")):
+        with pytest.raises(InferenceServerException, match=said) as err:
+            infer(http, server, "elastic", {"points": x, "conditions": c}, headers=headers)
+        assert err.value.status() == "401"
+        with pytest.raises(InferenceServerException, match=said) as err:
+            infer(grpc_client, server, "elastic", {"points": x, "conditions": c},
+                  headers=headers)
+        assert "UNAUTHENTICATED" in err.value.status()
+    assert request(server, "/v2/health/ready", headers={})[0] == 200
+    assert request(server, "/metrics", headers={})[0] == 401
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_exist_gets_404(server, reference):
+    x, c = points_of(np.random.default_rng(8), 10), np.ones(1, np.float32)
+    for client, status in ((http, "404"), (grpc_client, "StatusCode.NOT_FOUND")):
+        with pytest.raises(InferenceServerException, match="Model with name nope does not "
+                           "exist") as err:
+            infer(client, server, "nope", {"points": x, "conditions": c})
+        assert err.value.status() == status
+    status, body, _ = upload(server, "nope", "a.vtu", b"x")
+    assert status == 404 and "nope does not exist" in body.decode()
+    status, body, _ = request(server, "/v2/repository/models/elastic/unload", data=b"",
+                              method="POST")
+    assert status == 403 and "repository management is off" in body.decode()
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_a_slow_client_gets_408_while_others_are_served(server, reference):
+    """A client that sends its headers and a few bytes, then nothing: 408 after the read
+    timeout (2 s), and a good request made meanwhile is answered."""
+    host, port = server[0].rest.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as stalled:
+        stalled.sendall(b"POST /v2/models/elastic/infer HTTP/1.1\r\nHost: x\r\n"
+                        b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                        b'{"inputs": [')
+        assert_still_serving(server, reference)
+        answer = read_answer(stalled)
+    assert answer.startswith("HTTP/1.1 408")
+    assert "did not arrive within 2 s (--read-timeout): a slow or stalled client" in answer
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_the_server_stops_cleanly_and_wrote_nothing_outside_its_temporary_directory(server):
+    """SIGTERM: exit 143 after a graceful stop; its working directory and TMPDIR are as
+    empty as they started (its own temporary directory, uploads included, is gone) and HOME
+    holds what importing flarepp put there before it served (matplotlib's font cache)."""
+    process, dirs = server
+    assert request(server, "/v2/health/live", headers={})[0] == 200
+    assert process.stop() == 143
+    for name in ("cwd", "tmp"):
+        assert sorted(p.name for p in dirs[name].rglob("*")) == [], name
+    assert _tree(dirs["home"]) == dirs["home_at_start"]
