@@ -7,9 +7,9 @@ CORE   := $(VENV)/.flarepp-core
 STAMP  := $(VENV)/.flarepp-test
 TORCH_CPU := torch==2.13.0
 # Every extra the suite tests (each claimed feature is tested, not skipped).
-TEST_EXTRAS := test,mesh,surface,mesh-io,cluster,export,track,search,interop
+TEST_EXTRAS := test,mesh,surface,mesh-io,cluster,export,track,search,interop,serve
 
-.PHONY: setup setup-core demo test test-fast gpu-check clean
+.PHONY: setup setup-core browser demo test test-fast gpu-check clean
 
 setup: $(STAMP)
 setup-core: $(CORE)
@@ -30,8 +30,15 @@ $(STAMP): $(CORE)
 demo: setup-core
 	$(PY) -m flarepp demo
 
+# Debian's Chromium for the serve page's browser test (tests/test_serve.py), where apt-get
+# runs as root; elsewhere the test skips, saying so.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+	  || echo "no chromium: the serve page's browser test will skip"
+
 # The whole CPU suite (about 8 minutes on 2 cores).
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not cuda"
 
 # The fast tier: no training runs, no extra processes, nothing over ~1 s (about 1 minute).

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -220,10 +222,9 @@ def server(runs, tmp_path_factory):
     token_file = root / "token"
     token_file.write_text(TOKEN + "\n")
     env = {**os.environ, "HOME": str(dirs["home"]), "TMPDIR": str(dirs["tmp"])}
-    with open(root / "server.log", "w") as log:
-        process = start_server([f"elastic={runs['elastic']}", f"car={runs['car']}"],
-                               ["--token-file", str(token_file), *SERVE_OPTIONS], env=env,
-                               cwd=dirs["cwd"], log=log)
+    process = start_server([f"elastic={runs['elastic']}", f"car={runs['car']}"],
+                           ["--token-file", str(token_file), *SERVE_OPTIONS], env=env,
+                           cwd=dirs["cwd"], log=root / "server.log")
     # what importing flarepp writes (matplotlib's per-user font cache, once), before serving
     dirs["home_at_start"] = _tree(dirs["home"])
     yield process, dirs
@@ -429,6 +430,68 @@ def test_a_surface_run_gets_its_fields_and_force_from_an_stl(server, runs, refer
     summary = json.loads(headers["Flarepp-Summary"])
     np.testing.assert_allclose(summary["force"], force, rtol=1e-9)
     np.testing.assert_allclose(out.field_data["force"], force, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the page, in a real browser
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+@pytest.mark.slow
+def test_the_page_shows_an_uploaded_body_with_its_fields_and_force(server, runs, tmp_path):
+    """Headless Chromium on the page: the token typed in, the surface run chosen, an STL
+    uploaded; the page draws the body in colour (most of the view not background, many
+    colours), with a colour bar, the four fields to choose from (choosing another redraws
+    it), and the numbers the mesh endpoint gives (cells, force). A failure points to the
+    page, its vtk.js reading the returned VTP, or a number lost on its way."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium to drive: Debian's package `chromium` (make test installs "
+                    "it where it runs as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the page test drives "
+                                   "Chromium with Playwright: pip install 'flarepp[test]'")
+    import pyvista as pv
+    stl = tmp_path / "body.stl"
+    pv.read(runs["surfaces"] / "run_3" / "boundary_3.vtp").triangulate().save(stl)
+    expected = json.loads(upload(server, "car", "body.stl", stl.read_bytes())[2]
+                          ["Flarepp-Summary"])
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
+            "--use-angle=swiftshader", "--enable-unsafe-swiftshader"])
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(f"http://{server[0].rest}/page/")
+        page.wait_for_selector("body[data-state=error]")           # the token is missing
+        assert "this server needs a token" in page.inner_text("#status")
+        page.fill("#token", TOKEN)
+        page.press("#token", "Tab")                                 # leaving it: change
+        page.wait_for_selector("body[data-state=ready]")
+        page.select_option("#model", "car")
+        page.wait_for_function("document.getElementById('about').textContent"
+                               ".startsWith('surface run')")
+        page.set_input_files("#mesh", str(stl))
+        page.click("#predict")
+        page.wait_for_selector("body[data-state=shown], body[data-state=error]")
+        assert page.get_attribute("body", "data-state") == "shown", page.inner_text("#status")
+        shown = {k: page.inner_text(f"dd[data-key='{k}']") for k in ("cells", "force (x, y, z)")}
+        fields = page.eval_on_selector_all("#field option", "o => o.map(e => e.value)")
+        before = _pixels(page.locator("#view").screenshot())
+        page.select_option("#field", "tau_x")
+        after = _pixels(page.locator("#view").screenshot())
+        page.screenshot(path=str(tmp_path / "page.png"))
+        browser.close()
+    assert int(shown["cells"]) == expected["rows"]
+    np.testing.assert_allclose([float(v) for v in shown["force (x, y, z)"].split(",")],
+                               expected["force"], rtol=1e-5)
+    assert fields == ["p_s", "tau_x", "tau_y", "tau_z"]
+    drawn = (before < 245).any(axis=2)                               # not the white background
+    assert drawn.mean() > 0.05, "the view is (nearly) blank"
+    assert len(np.unique(before[drawn], axis=0)) > 50, "the body is not coloured by a field"
+    assert (before != after).any(axis=2).mean() > 0.01, "choosing tau_x did not redraw"
 
 
 # ---------------------------------------------------------------------------------------------

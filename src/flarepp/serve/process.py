@@ -24,11 +24,13 @@ READY = re.compile(r"flarepp serve: REST http://(?P<rest>\S+)(?: gRPC (?P<grpc>\
 
 @dataclass
 class ServerProcess:
-    """A running ``flarepp serve``: its process, REST and gRPC ``host:port``."""
+    """A running ``flarepp serve``: its process, REST and gRPC ``host:port``, the file its
+    stderr goes to (closed when it stops)."""
 
     process: subprocess.Popen
     rest: str
     grpc: str | None
+    log: Any = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -45,26 +47,40 @@ class ServerProcess:
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (the server finishes what it answers, then exits), SIGKILL past
         ``timeout``; the exit status."""
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
+        try:
+            if self.alive():
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    return self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+            return self.process.wait()
+        finally:
+            if self.log is not None:
+                self.log.close()
 
 
 def start_server(runs: list[str], options: list[str] | tuple[str, ...] = (), *,
-                 env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, log: Any = subprocess.DEVNULL,
-                 timeout: float = 180.0) -> ServerProcess:
+                 env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                 log: str | Path | None = None, timeout: float = 180.0) -> ServerProcess:
     """``flarepp serve RUNS --port 0 --grpc-port 0 OPTIONS`` started and answering (or a
     RuntimeError with why not: it exited, or said nothing within ``timeout`` seconds);
-    ``log`` takes its stderr."""
+    its stderr goes to the file ``log`` (default nowhere)."""
     command = [sys.executable, "-m", "flarepp", "serve", *runs, "--port", "0",
                "--grpc-port", "0", *options]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
-                               env=env if env is not None else dict(os.environ), cwd=cwd)
+    stderr = open(log, "w") if log is not None else subprocess.DEVNULL
+    try:
+        return _wait_ready(subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env=env if env is not None else dict(os.environ), cwd=cwd), timeout,
+            None if log is None else stderr)
+    except BaseException:
+        if log is not None:
+            stderr.close()
+        raise
+
+
+def _wait_ready(process: subprocess.Popen, timeout: float, log: Any) -> ServerProcess:
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as wait:
         wait.register(process.stdout, selectors.EVENT_READ)
@@ -78,7 +94,7 @@ def start_server(runs: list[str], options: list[str] | tuple[str, ...] = (), *,
                                    "before it answered")
             found = READY.search(line)
             if found:
-                return ServerProcess(process, found["rest"], found["grpc"])
+                return ServerProcess(process, found["rest"], found["grpc"], log)
     process.kill()
     process.wait()
     raise RuntimeError(f"flarepp serve did not answer within {timeout:g} s")

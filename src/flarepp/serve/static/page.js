@@ -162,7 +162,9 @@ async function chooseModel() {
 async function start() {
   try {
     const { models } = await getJSON("/v2/models");
+    const chosen = $("model").value;                 // kept when the list is read again
     $("model").replaceChildren(...models.map((name) => new Option(name, name)));
+    if (models.includes(chosen)) $("model").value = chosen;
     await chooseModel();
     document.body.dataset.state = "ready";
     say("ready");

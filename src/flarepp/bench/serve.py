@@ -1,0 +1,318 @@
+"""``flarepp bench serve``: ``flarepp serve`` under load, on this machine (loopback only,
+bounded in requests and in time).
+
+Shape letters: N points, G coordinate and F feature channels, O outputs.
+
+* **Load** (:func:`load_phase`): a fresh server (a child process, :mod:`flarepp.serve.
+  process`) per mode: batched (``--max-batch``) and unbatched (``--max-batch 1``). For each
+  client count, each client (a thread with its own ``tritonclient``) sends meshes of
+  ``points`` points one after another, drawn from a pool of distinct meshes whose answers
+  this process computed beforehand with ``flarepp.load(run).predict``; every answer is
+  checked against its mesh's (1e-5 of the fields' scale). Per phase: requests answered,
+  throughput (requests/s over the phase's wall time), latency p50 and p99, the server's
+  peak resident memory so far (``VmHWM``), errors (no answer) and wrong answers.
+* **Large** (:func:`large_request`): one mesh of ``large_points`` points over gRPC to the
+  batched server, streamed by it in chunks, compared with what ``flarepp infer --chunk-size``
+  writes for the same points (max difference over the fields' scale), with the server's
+  peak memory before and after.
+* **Bad requests** (:func:`bad_requests`): one of each class the server refuses (a wrong
+  shape, NaN, an unknown model, a wrong token, a body over the budget, a stalled client);
+  each must get its 4xx, and the server must answer a good request exactly after each.
+
+Without ``run`` the benchmark makes one: elasticity meshes (about 1K points each) converted
+to a store and the ``store-tiny`` preset (its model as it is: width 64, 3 blocks, 32
+latents) trained for one epoch; the accuracy does not matter to the load.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flarepp.serve.process import ServerProcess, start_server
+
+TOKEN = "flarepp-bench-serve"
+BODY_MB = 64          # the servers' body budget (a 1M-point mesh of 6 channels is 24 MiB)
+CHECK = 1e-5          # an answer is right within this share of the fields' scale
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """What :func:`run_serve_bench` measures (module docstring)."""
+
+    run: str | None = None
+    clients: tuple[int, ...] = (1, 4, 16)
+    points: int = 1024
+    requests: int = 320           # per phase, shared among its clients
+    seconds: float = 60.0         # per phase at most
+    max_batch: int = 16
+    large_points: int = 1 << 20
+    chunk_size: int = 1 << 16
+    protocol: str = "grpc"
+    pool: int = 32
+    server_threads: int | None = None
+    work_dir: str | None = None
+
+
+def make_run(root: Path) -> Path:
+    """A ``store-tiny`` run of one epoch on elasticity meshes (module docstring)."""
+    from flarepp.data.convert import convert
+    from flarepp.data.generators.elasticity import make_elasticity_mesh
+    from flarepp.data.spec import parse_spec
+    from flarepp.train import Trainer, get_preset
+    make_elasticity_mesh(root / "cases", n_train=8, n_test=2, progress=False)
+    spec = parse_spec({"targets": ["von_mises"], "split": {"test": "test/*"}})
+    convert(root / "cases", root / "store", spec, progress=False)
+    config = get_preset("store-tiny", ["epochs=1", "device=cpu"])
+    Trainer(config, root / "run", data_root=root / "store", progress=False).fit()
+    return root / "run"
+
+
+@dataclass
+class Pool:
+    """Distinct meshes (``x [N, I]``) and their answers (``y [N, O]``)."""
+
+    x: list[np.ndarray]
+    y: list[np.ndarray]
+    coordinates: int
+
+    def check(self, k: int, got: np.ndarray) -> bool:
+        want = self.y[k]
+        return got.shape == want.shape and bool(
+            np.abs(got - want).max() <= CHECK * max(1.0, float(np.abs(want).max())))
+
+    def inputs(self, k: int) -> dict[str, np.ndarray]:
+        return tensors(self.x[k], self.coordinates)
+
+
+def tensors(x: np.ndarray, coordinates: int) -> dict[str, np.ndarray]:
+    """The request's tensors of inputs ``x [N, I]``: ``points``, and ``features`` if any."""
+    out = {"points": np.ascontiguousarray(x[:, :coordinates])}
+    if x.shape[1] > coordinates:
+        out["features"] = np.ascontiguousarray(x[:, coordinates:])
+    return out
+
+
+def make_pool(run: str | Path, size: int, points: int, seed: int = 0) -> Pool:
+    """``size`` random meshes of ``points`` points in the unit box and their answers."""
+    from flarepp.inference.predictor import load_predictor
+    predictor = load_predictor(run, device="cpu")
+    layout = predictor.layout
+    if layout.conditions is not None:
+        raise ValueError(f"{run}: a conditioned run; the load benchmark compares the large "
+                         "answer with `flarepp infer`, which takes no per-case conditions "
+                         "for an .npz: give an unconditioned run")
+    g = layout.channels if layout.coordinates is None else layout.coordinates
+    rng = np.random.default_rng(seed)
+    xs = [rng.random((points, layout.channels), dtype=np.float32) for _ in range(size)]
+    ys = [predictor.predict(x[:, :g], features=x[:, g:] if x.shape[1] > g else None)
+          for x in xs]
+    return Pool(xs, ys, g)
+
+
+def _client(protocol: str, url: str) -> Any:
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        import tritonclient.http as module
+    return module, module.InferenceServerClient(url)
+
+
+def call(protocol: str, url: str, model: str, arrays: dict[str, np.ndarray],
+         token: str = TOKEN, client: Any = None) -> np.ndarray:
+    """One v2 infer: ``fields`` for ``arrays`` (tritonclient over ``protocol``)."""
+    module, client = client or _client(protocol, url)
+    inputs = []
+    for name, value in arrays.items():
+        tensor = module.InferInput(name, list(value.shape),
+                                   "BOOL" if value.dtype == bool else "FP32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    key = "authorization" if protocol == "grpc" else "Authorization"
+    return client.infer(model, inputs, headers={key: f"Bearer {token}"}).as_numpy("fields")
+
+
+@dataclass
+class _Tally:
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    wrong: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def load_phase(server: ServerProcess, model: str, pool: Pool, clients: int, requests: int,
+               seconds: float, protocol: str) -> dict[str, Any]:
+    """``clients`` concurrent clients sending ``requests`` meshes in all (module docstring)."""
+    url = server.grpc if protocol == "grpc" else server.rest
+    tally, counter = _Tally(), iter(range(requests))
+    deadline = time.monotonic() + seconds
+
+    def client(index: int) -> None:
+        connection = _client(protocol, url)
+        for k in counter:
+            if time.monotonic() > deadline:
+                return
+            mesh = (k * 7 + index) % len(pool.x)
+            started = time.perf_counter()
+            try:
+                got = call(protocol, url, model, pool.inputs(mesh), client=connection)
+            except Exception as err:                  # a lost request: counted, reported
+                with tally.lock:
+                    tally.errors.append(f"{type(err).__name__}: {err}")
+                continue
+            with tally.lock:
+                tally.latencies.append(time.perf_counter() - started)
+                tally.wrong += not pool.check(mesh, got)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    lat = np.asarray(tally.latencies) if tally.latencies else np.full(1, np.nan)
+    return {"clients": clients, "answered": len(tally.latencies), "seconds": wall,
+            "throughput": len(tally.latencies) / wall,
+            "p50_ms": 1e3 * float(np.percentile(lat, 50)),
+            "p99_ms": 1e3 * float(np.percentile(lat, 99)), "errors": len(tally.errors),
+            "error_examples": tally.errors[:3], "wrong": tally.wrong,
+            "peak_mib": server.peak_memory_bytes() / 2 ** 20}
+
+
+def large_request(server: ServerProcess, model: str, run: str | Path, pool: Pool,
+                  points: int, chunk: int, work: Path) -> dict[str, Any]:
+    """One ``points``-point mesh over gRPC against ``flarepp infer`` (module docstring)."""
+    rng = np.random.default_rng(7)
+    x = rng.random((points, pool.x[0].shape[1]), dtype=np.float32)
+    before = server.peak_memory_bytes()
+    started = time.perf_counter()
+    got = call("grpc", server.grpc, model, tensors(x, pool.coordinates))
+    seconds = time.perf_counter() - started
+    after = server.peak_memory_bytes()
+    np.savez(work / "large.npz", x=x[None])
+    subprocess.run([sys.executable, "-m", "flarepp", "infer", str(run), "--data",
+                    str(work / "large.npz"), "--out", str(work / "large-infer.npz"),
+                    "--chunk-size", str(chunk), "--device", "cpu"], check=True,
+                   capture_output=True)
+    with np.load(work / "large-infer.npz") as inferred:
+        want = inferred["pred"][0]
+    deviation = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
+    return {"points": points, "chunk_size": chunk, "seconds": seconds,
+            "deviation": deviation, "peak_mib_before": before / 2 ** 20,
+            "peak_mib_after": after / 2 ** 20, "answer_mib": got.nbytes / 2 ** 20}
+
+
+def _raw(rest: str, length: int, wait: float, expect: bool) -> str:
+    """The status line the server answers a body of ``length`` bytes declared of which one
+    byte is sent (``expect``: declared as curl declares a large one, ``Expect:
+    100-continue``), waiting up to ``wait`` seconds."""
+    host, port = rest.rsplit(":", 1)
+    expect_line = "Expect: 100-continue\r\n" if expect else ""
+    head = (f"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}"
+            f"\r\n{expect_line}Content-Length: {length}\r\n\r\n{{")
+    with socket.create_connection((host, int(port)), timeout=wait + 30) as sock:
+        sock.sendall(head.encode())
+        return sock.recv(4096).decode(errors="replace").split("\r\n", 1)[0]
+
+
+def bad_requests(server: ServerProcess, model: str, pool: Pool,
+                 read_timeout: float) -> list[dict[str, Any]]:
+    """Each refused class once, each followed by a good request (module docstring)."""
+    from tritonclient.utils import InferenceServerException
+    good = pool.inputs(0)
+    nan = {k: v.copy() for k, v in good.items()}
+    nan["points"][3, 0] = np.nan
+    wide = {"points": np.zeros((10, pool.coordinates + 1), np.float32)}
+    cases = [("wrong shape", lambda: call("http", server.rest, model, wide)),
+             ("NaN", lambda: call("http", server.rest, model, nan)),
+             ("unknown model", lambda: call("grpc", server.grpc, "no-such-model", good)),
+             ("wrong token", lambda: call("http", server.rest, model, good, token="wrong")),
+             ("body over budget", lambda: _raw(server.rest, (BODY_MB + 1) << 20, 0, True)),
+             ("stalled client", lambda: _raw(server.rest, 100, read_timeout, False))]
+    out = []
+    for name, send in cases:
+        try:
+            answer = send()
+            status = answer if isinstance(answer, str) else "200 (not refused)"
+        except InferenceServerException as err:
+            status = f"{err.status()}: {err.message()[:120]}"
+        try:
+            alive = pool.check(0, call("grpc", server.grpc, model, good))
+        except Exception as err:                      # the server no longer answers
+            alive, status = False, f"{status}; then {type(err).__name__}"
+        out.append({"request": name, "answer": status, "alive": alive})
+    return out
+
+
+def run_serve_bench(config: ServeBenchConfig, progress: Any = print) -> dict[str, Any]:
+    """Every measurement of the module docstring; ``progress(line)`` as they come."""
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=config.work_dir) as tmp:
+        work = Path(tmp)
+        run = config.run or make_run(work / "made")
+        pool = make_pool(run, config.pool, config.points)
+        (work / "token").write_text(TOKEN)
+        result: dict[str, Any] = {"run": str(config.run or "store-tiny, 1 epoch"),
+                                  "load": [], "load_average": os.getloadavg()}
+        for mode, batch in (("batched", config.max_batch), ("unbatched", 1)):
+            server = _serve(run, work, config, batch)
+            try:
+                for clients in config.clients:
+                    row = {"mode": mode, **load_phase(server, "bench", pool, clients,
+                                                      config.requests, config.seconds,
+                                                      config.protocol)}
+                    result["load"].append(row)
+                    progress(f"{mode}, {clients} client(s): {row['throughput']:.1f} req/s, "
+                             f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")
+                if mode == "batched":
+                    result["large"] = large_request(server, "bench", run, pool,
+                                                    config.large_points, config.chunk_size,
+                                                    work)
+                    progress(f"large: {result['large']}")
+                    result["bad"] = bad_requests(server, "bench", pool, 2.0)
+                    progress(f"bad requests: {result['bad']}")
+                result.setdefault("alive", {})[mode] = server.alive()
+            finally:
+                server.stop()
+        result["load_average_after"] = os.getloadavg()
+    return result
+
+
+def _serve(run: str | Path, work: Path, config: ServeBenchConfig, batch: int
+           ) -> ServerProcess:
+    return start_server([f"bench={run}"], [
+        "--token-file", str(work / "token"), "--device", "cpu", "--max-batch", str(batch),
+        "--chunk-size", str(config.chunk_size), "--read-timeout", "2",
+        "--max-body-mb", str(BODY_MB),
+        *(["--threads", str(config.server_threads)] if config.server_threads else [])],
+        log=work / f"server-{batch}.log", cwd=work)
+
+
+def goals(result: dict[str, Any]) -> list[tuple[str, float, bool]]:
+    """The issue's goals: ``(what, measured, met)``."""
+    rows = {(r["mode"], r["clients"]): r for r in result["load"]}
+    most = max(r["clients"] for r in result["load"])
+    speedup = rows[("batched", most)]["throughput"] / rows[("unbatched", most)]["throughput"]
+    tail = rows[("batched", most)]["p99_ms"] / rows[("batched", 1)]["p50_ms"]
+    lost = sum(r["errors"] + r["wrong"] for r in result["load"])
+    alive = all(b["alive"] and not b["answer"].startswith("200") for b in result["bad"])
+    return [(f"batched / unbatched throughput at {most} clients >= 2", speedup, speedup >= 2),
+            (f"p99 at {most} clients / p50 at 1 client < 5", tail, tail < 5),
+            ("large answer's deviation from flarepp infer <= 1e-6",
+             result["large"]["deviation"], result["large"]["deviation"] <= 1e-6),
+            ("requests lost or answered wrongly == 0", lost, lost == 0),
+            ("every bad request refused, the server alive after each", float(alive), alive)]
+
+
+__all__ = ["Pool", "ServeBenchConfig", "bad_requests", "call", "goals", "large_request",
+           "load_phase", "make_pool", "make_run", "run_serve_bench"]
