@@ -17,9 +17,7 @@ import importlib.util
 import io
 import json
 import os
-import re
 import shutil
-import socket
 import sys
 import threading
 import urllib.error
@@ -44,7 +42,7 @@ from flarepp.inference.infer import geometry_case  # noqa: E402
 from flarepp.inference.predictor import Predictor  # noqa: E402
 from flarepp.serve.batching import MicroBatcher, make_job  # noqa: E402
 from flarepp.serve.limits import Guard, Limits, Refused  # noqa: E402
-from flarepp.serve.process import start_server  # noqa: E402
+from flarepp.serve.process import call_model, declared_body, start_server  # noqa: E402
 from flarepp.tasks.surface import integrated_forces  # noqa: E402
 from tiny_runs import tiny_store_run, tiny_surface_run  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -60,19 +58,6 @@ SERVE_OPTIONS = ["--chunk-size", str(CHUNK), "--max-points", "300000", "--max-bo
 def assert_same(got, want):
     """Equal to 1e-6 of the fields' scale (float32 sums in another order differ by rounding)."""
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(1.0, np.abs(want).max()))
-
-
-def read_answer(sock: socket.socket) -> str:
-    """One HTTP response off a raw socket: its head and its body."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(4096)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE).group(1))
-    while len(body) < length:
-        body += sock.recv(4096)
-    return (head + b"\r\n\r\n" + body).decode()
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,20 +226,11 @@ def reference(runs):
     return {name: flarepp.load(runs[name], device="cpu") for name in ("elastic", "car")}
 
 
-def infer(client_module, server, model, arrays, headers=AUTH):
+def infer(client_module, server, model, arrays, token=TOKEN):
+    """``fields`` by tritonclient over HTTP or gRPC (the module), with ``token``."""
     process, _ = server
-    url = process.rest if client_module is http else process.grpc
-    client = client_module.InferenceServerClient(url)
-    inputs = []
-    for name, value in arrays.items():
-        tensor = client_module.InferInput(name, list(value.shape),
-                                          "BOOL" if value.dtype == bool else "FP32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    # a copy: tritonclient's HTTP client adds its own entries to the dict it is given
-    metadata = dict(headers) if client_module is http else {k.lower(): v
-                                                           for k, v in headers.items()}
-    return client.infer(model, inputs, headers=metadata).as_numpy("fields")
+    protocol, url = ("http", process.rest) if client_module is http else ("grpc", process.grpc)
+    return call_model(protocol, url, model, arrays, token=token)
 
 
 def request(server, path, *, data=None, headers=AUTH, method=None):
@@ -544,13 +520,8 @@ def test_a_huge_mesh_or_request_gets_413(server, reference):
     """A 9 MiB upload (budget 8 MiB) is refused from its declared length, before its body
     is read (as curl sends it: ``Expect: 100-continue``); 400000 points (budget 300000)
     after decoding."""
-    host, port = server[0].rest.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall(b"POST /v2/models/elastic/mesh HTTP/1.1\r\nHost: x\r\n"
-                       b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
-                       b"Content-Type: multipart/form-data; boundary=b\r\n"
-                       b"Expect: 100-continue\r\nContent-Length: 9437184\r\n\r\n")
-        answer = read_answer(client)
+    answer = declared_body(server[0].rest, "/v2/models/elastic/mesh", 9 << 20, token=TOKEN,
+                           expect=True)
     assert answer.startswith("HTTP/1.1 413")
     assert "9437184 bytes, over this server's budget of 8388608 bytes" in answer
     x = points_of(np.random.default_rng(6), 400_000)
@@ -564,14 +535,12 @@ def test_a_huge_mesh_or_request_gets_413(server, reference):
 @pytest.mark.slow
 def test_a_wrong_or_missing_token_gets_401(server, reference):
     x, c = points_of(np.random.default_rng(7), 10), np.ones(1, np.float32)
-    for headers, said in (({}, "this server needs a token"),
-                          ({"Authorization": "Bearer nope"}, "the token is wrong")):
+    for token, said in ((None, "this server needs a token"), ("nope", "the token is wrong")):
         with pytest.raises(InferenceServerException, match=said) as err:
-            infer(http, server, "elastic", {"points": x, "conditions": c}, headers=headers)
+            infer(http, server, "elastic", {"points": x, "conditions": c}, token=token)
         assert err.value.status() == "401"
         with pytest.raises(InferenceServerException, match=said) as err:
-            infer(grpc_client, server, "elastic", {"points": x, "conditions": c},
-                  headers=headers)
+            infer(grpc_client, server, "elastic", {"points": x, "conditions": c}, token=token)
         assert "UNAUTHENTICATED" in err.value.status()
     assert request(server, "/v2/health/ready", headers={})[0] == 200
     assert request(server, "/metrics", headers={})[0] == 401
@@ -598,14 +567,13 @@ def test_a_model_that_does_not_exist_gets_404(server, reference):
 def test_a_slow_client_gets_408_while_others_are_served(server, reference):
     """A client that sends its headers and a few bytes, then nothing: 408 after the read
     timeout (2 s), and a good request made meanwhile is answered."""
-    host, port = server[0].rest.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as stalled:
-        stalled.sendall(b"POST /v2/models/elastic/infer HTTP/1.1\r\nHost: x\r\n"
-                        b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
-                        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
-                        b'{"inputs": [')
-        assert_still_serving(server, reference)
-        answer = read_answer(stalled)
+    stalled = {}
+    client = threading.Thread(target=lambda: stalled.update(answer=declared_body(
+        server[0].rest, "/v2/models/elastic/infer", 1000, token=TOKEN)))
+    client.start()
+    assert_still_serving(server, reference)
+    client.join()
+    answer = stalled["answer"]
     assert answer.startswith("HTTP/1.1 408")
     assert "did not arrive within 2 s (--read-timeout): a slow or stalled client" in answer
     assert_still_serving(server, reference)

@@ -27,7 +27,6 @@ latents) trained for one epoch; the accuracy does not matter to the load.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from flarepp.serve.process import ServerProcess, start_server
+from flarepp.serve.process import ServerProcess, call_model, declared_body, start_server
 
 TOKEN = "flarepp-bench-serve"
 BODY_MB = 64          # the servers' body budget (a 1M-point mesh of 6 channels is 24 MiB)
@@ -119,28 +118,6 @@ def make_pool(run: str | Path, size: int, points: int, seed: int = 0) -> Pool:
     return Pool(xs, ys, g)
 
 
-def _client(protocol: str, url: str) -> Any:
-    if protocol == "grpc":
-        import tritonclient.grpc as module
-    else:
-        import tritonclient.http as module
-    return module, module.InferenceServerClient(url)
-
-
-def call(protocol: str, url: str, model: str, arrays: dict[str, np.ndarray],
-         token: str = TOKEN, client: Any = None) -> np.ndarray:
-    """One v2 infer: ``fields`` for ``arrays`` (tritonclient over ``protocol``)."""
-    module, client = client or _client(protocol, url)
-    inputs = []
-    for name, value in arrays.items():
-        tensor = module.InferInput(name, list(value.shape),
-                                   "BOOL" if value.dtype == bool else "FP32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    key = "authorization" if protocol == "grpc" else "Authorization"
-    return client.infer(model, inputs, headers={key: f"Bearer {token}"}).as_numpy("fields")
-
-
 @dataclass
 class _Tally:
     latencies: list[float] = field(default_factory=list)
@@ -157,14 +134,18 @@ def load_phase(server: ServerProcess, model: str, pool: Pool, clients: int, requ
     deadline = time.monotonic() + seconds
 
     def client(index: int) -> None:
-        connection = _client(protocol, url)
+        import tritonclient.grpc
+        import tritonclient.http
+        module = tritonclient.grpc if protocol == "grpc" else tritonclient.http
+        connection = module, module.InferenceServerClient(url)
         for k in counter:
             if time.monotonic() > deadline:
                 return
             mesh = (k * 7 + index) % len(pool.x)
             started = time.perf_counter()
             try:
-                got = call(protocol, url, model, pool.inputs(mesh), client=connection)
+                got = call_model(protocol, url, model, pool.inputs(mesh), token=TOKEN,
+                                 client=connection)
             except Exception as err:                  # a lost request: counted, reported
                 with tally.lock:
                     tally.errors.append(f"{type(err).__name__}: {err}")
@@ -196,7 +177,7 @@ def large_request(server: ServerProcess, model: str, run: str | Path, pool: Pool
     x = rng.random((points, pool.x[0].shape[1]), dtype=np.float32)
     before = server.peak_memory_bytes()
     started = time.perf_counter()
-    got = call("grpc", server.grpc, model, tensors(x, pool.coordinates))
+    got = call_model("grpc", server.grpc, model, tensors(x, pool.coordinates), token=TOKEN)
     seconds = time.perf_counter() - started
     after = server.peak_memory_bytes()
     np.savez(work / "large.npz", x=x[None])
@@ -212,19 +193,6 @@ def large_request(server: ServerProcess, model: str, run: str | Path, pool: Pool
             "peak_mib_after": after / 2 ** 20, "answer_mib": got.nbytes / 2 ** 20}
 
 
-def _raw(rest: str, length: int, wait: float, expect: bool) -> str:
-    """The status line the server answers a body of ``length`` bytes declared of which one
-    byte is sent (``expect``: declared as curl declares a large one, ``Expect:
-    100-continue``), waiting up to ``wait`` seconds."""
-    host, port = rest.rsplit(":", 1)
-    expect_line = "Expect: 100-continue\r\n" if expect else ""
-    head = (f"POST /v2/models/x/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}"
-            f"\r\n{expect_line}Content-Length: {length}\r\n\r\n{{")
-    with socket.create_connection((host, int(port)), timeout=wait + 30) as sock:
-        sock.sendall(head.encode())
-        return sock.recv(4096).decode(errors="replace").split("\r\n", 1)[0]
-
-
 def bad_requests(server: ServerProcess, model: str, pool: Pool,
                  read_timeout: float) -> list[dict[str, Any]]:
     """Each refused class once, each followed by a good request (module docstring)."""
@@ -233,12 +201,22 @@ def bad_requests(server: ServerProcess, model: str, pool: Pool,
     nan = {k: v.copy() for k, v in good.items()}
     nan["points"][3, 0] = np.nan
     wide = {"points": np.zeros((10, pool.coordinates + 1), np.float32)}
-    cases = [("wrong shape", lambda: call("http", server.rest, model, wide)),
-             ("NaN", lambda: call("http", server.rest, model, nan)),
-             ("unknown model", lambda: call("grpc", server.grpc, "no-such-model", good)),
-             ("wrong token", lambda: call("http", server.rest, model, good, token="wrong")),
-             ("body over budget", lambda: _raw(server.rest, (BODY_MB + 1) << 20, 0, True)),
-             ("stalled client", lambda: _raw(server.rest, 100, read_timeout, False))]
+
+    def http(arrays: dict, token: str = TOKEN) -> Any:
+        return call_model("http", server.rest, model, arrays, token=token)
+
+    def grpc(arrays: dict, name: str = model) -> Any:
+        return call_model("grpc", server.grpc, name, arrays, token=TOKEN)
+
+    cases = [("wrong shape", lambda: http(wide)), ("NaN", lambda: http(nan)),
+             ("unknown model", lambda: grpc(good, "no-such-model")),
+             ("wrong token", lambda: http(good, token="wrong")),
+             ("body over budget", lambda: declared_body(
+                 server.rest, f"/v2/models/{model}/infer", (BODY_MB + 1) << 20, token=TOKEN,
+                 expect=True).split("\r\n", 1)[0]),
+             ("stalled client", lambda: declared_body(
+                 server.rest, f"/v2/models/{model}/infer", 100, token=TOKEN,
+                 timeout=read_timeout + 30).split("\r\n", 1)[0])]
     out = []
     for name, send in cases:
         try:
@@ -247,7 +225,7 @@ def bad_requests(server: ServerProcess, model: str, pool: Pool,
         except InferenceServerException as err:
             status = f"{err.status()}: {err.message()[:120]}"
         try:
-            alive = pool.check(0, call("grpc", server.grpc, model, good))
+            alive = pool.check(0, grpc(good))
         except Exception as err:                      # the server no longer answers
             alive, status = False, f"{status}; then {type(err).__name__}"
         out.append({"request": name, "answer": status, "alive": alive})
@@ -255,7 +233,9 @@ def bad_requests(server: ServerProcess, model: str, pool: Pool,
 
 
 def run_serve_bench(config: ServeBenchConfig, progress: Any = print) -> dict[str, Any]:
-    """Every measurement of the module docstring; ``progress(line)`` as they come."""
+    """Every measurement of the module docstring; ``progress(line)`` as they come. The
+    batched and the unbatched server run side by side, their phases interleaved per client
+    count, so that a load that drifts on a shared machine meets both alike."""
     import tempfile
     with tempfile.TemporaryDirectory(dir=config.work_dir) as tmp:
         work = Path(tmp)
@@ -264,25 +244,26 @@ def run_serve_bench(config: ServeBenchConfig, progress: Any = print) -> dict[str
         (work / "token").write_text(TOKEN)
         result: dict[str, Any] = {"run": str(config.run or "store-tiny, 1 epoch"),
                                   "load": [], "load_average": os.getloadavg()}
-        for mode, batch in (("batched", config.max_batch), ("unbatched", 1)):
-            server = _serve(run, work, config, batch)
-            try:
-                for clients in config.clients:
+        servers = {}
+        try:
+            for mode, batch in (("batched", config.max_batch), ("unbatched", 1)):
+                servers[mode] = _serve(run, work, config, batch)
+            for clients in config.clients:
+                for mode, server in servers.items():
                     row = {"mode": mode, **load_phase(server, "bench", pool, clients,
                                                       config.requests, config.seconds,
                                                       config.protocol)}
                     result["load"].append(row)
                     progress(f"{mode}, {clients} client(s): {row['throughput']:.1f} req/s, "
                              f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")
-                if mode == "batched":
-                    result["large"] = large_request(server, "bench", run, pool,
-                                                    config.large_points, config.chunk_size,
-                                                    work)
-                    progress(f"large: {result['large']}")
-                    result["bad"] = bad_requests(server, "bench", pool, 2.0)
-                    progress(f"bad requests: {result['bad']}")
-                result.setdefault("alive", {})[mode] = server.alive()
-            finally:
+            batched = servers["batched"]
+            result["large"] = large_request(batched, "bench", run, pool, config.large_points,
+                                            config.chunk_size, work)
+            progress(f"large: {result['large']}")
+            result["bad"] = bad_requests(batched, "bench", pool, 2.0)
+            result["alive"] = {mode: server.alive() for mode, server in servers.items()}
+        finally:
+            for server in servers.values():
                 server.stop()
         result["load_average_after"] = os.getloadavg()
     return result
@@ -314,5 +295,5 @@ def goals(result: dict[str, Any]) -> list[tuple[str, float, bool]]:
             ("every bad request refused, the server alive after each", float(alive), alive)]
 
 
-__all__ = ["Pool", "ServeBenchConfig", "bad_requests", "call", "goals", "large_request",
-           "load_phase", "make_pool", "make_run", "run_serve_bench"]
+__all__ = ["Pool", "ServeBenchConfig", "bad_requests", "goals", "large_request", "load_phase",
+           "make_pool", "make_run", "run_serve_bench", "tensors"]

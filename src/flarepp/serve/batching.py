@@ -98,10 +98,11 @@ def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size
     padded forward when there are several (module docstring)."""
     if len(jobs) == 1:
         job = jobs[0]
-        chunk = chunk_size if streams and job.points_count > chunk_size else None
+        large = job.points_count > chunk_size        # its samples one at a time, streamed
         try:
             out = predict(job.points, features=job.features, conditions=job.conditions,
-                          mask=job.mask, chunk_size=chunk)
+                          mask=job.mask, chunk_size=chunk_size if large and streams else None,
+                          batch_size=1 if large or not job.stacked else len(job.points))
         except ValueError as err:
             return [err]
         return [out[0] if job.stacked and job.single else out]
@@ -126,7 +127,8 @@ def predict_jobs(predict: Callable[..., np.ndarray], jobs: list[Job], chunk_size
     padded = not mask.all()
     try:
         out = predict(stack("points"), features=stack("features"),
-                      conditions=stack("conditions"), mask=mask if padded else None)
+                      conditions=stack("conditions"), mask=mask if padded else None,
+                      batch_size=len(mask))
     except ValueError:
         return [predict_jobs(predict, [j], chunk_size, streams)[0] for j in jobs]
     results = []

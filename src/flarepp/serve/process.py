@@ -1,9 +1,13 @@
-"""``flarepp serve`` as a child process: started, waited for, measured, stopped (what the load
-benchmark and the tests do; no KServe import on this side).
+"""``flarepp serve`` from the outside: the server as a child process (started, waited for,
+measured, stopped) and the calls a client makes (what the load benchmark and the tests do;
+no KServe import on this side, whose gRPC protos clash with ``tritonclient``'s).
 
 The child prints one line once it answers (``flarepp serve: REST http://HOST:PORT gRPC
 HOST:PORT page ... models ...``); :func:`start_server` reads the addresses from it, on ports
 the child chose (``--port 0 --grpc-port 0``: no two servers race for one port).
+:func:`call_model` is one v2 infer through ``tritonclient`` (HTTP or gRPC);
+:func:`declared_body` a raw request whose body never comes (a stalled client, or one that
+waits for ``100 Continue`` as curl does before a large body).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,4 +105,49 @@ def _wait_ready(process: subprocess.Popen, timeout: float, log: Any) -> ServerPr
     raise RuntimeError(f"flarepp serve did not answer within {timeout:g} s")
 
 
-__all__ = ["READY", "ServerProcess", "start_server"]
+def call_model(protocol: str, url: str, model: str, arrays: dict[str, Any], *,
+               token: str | None = None, client: Any = None) -> Any:
+    """``fields`` of one v2 infer of ``arrays`` (name -> NumPy array: BOOL for bool, else
+    FP32) by ``tritonclient`` over ``protocol`` (``http`` or ``grpc``) at ``url``, with the
+    token (if any) as ``Authorization: Bearer``; ``client``: a ``(module, client)`` pair to
+    reuse."""
+    if client is None:
+        if protocol == "grpc":
+            import tritonclient.grpc as module
+        else:
+            import tritonclient.http as module
+        client = module, module.InferenceServerClient(url)
+    module, connection = client
+    inputs = []
+    for name, value in arrays.items():
+        tensor = module.InferInput(name, list(value.shape),
+                                   "BOOL" if value.dtype == bool else "FP32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    key = "authorization" if protocol == "grpc" else "Authorization"
+    headers = {} if token is None else {key: f"Bearer {token}"}
+    return connection.infer(model, inputs, headers=headers).as_numpy("fields")
+
+
+def declared_body(rest: str, path: str, length: int, *, token: str | None = None,
+                  expect: bool = False, timeout: float = 60.0) -> str:
+    """The server's answer (status line, headers, body) to a POST of ``path`` at ``rest``
+    that declares ``length`` bytes of body and sends one (``expect``: with ``Expect:
+    100-continue``)."""
+    host, port = rest.rsplit(":", 1)
+    lines = [f"POST {path} HTTP/1.1", "Host: flarepp", f"Content-Length: {length}"]
+    lines += [f"Authorization: Bearer {token}"] * (token is not None)
+    lines += ["Expect: 100-continue"] * expect
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n{").encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(4096) or b"\r\n\r\n"
+        head, _, body = data.partition(b"\r\n\r\n")
+        found = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+        while found and len(body) < int(found.group(1)):
+            body += sock.recv(4096) or b" " * int(found.group(1))
+    return (head + b"\r\n\r\n" + body).decode(errors="replace")
+
+
+__all__ = ["READY", "ServerProcess", "call_model", "declared_body", "start_server"]
