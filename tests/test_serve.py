@@ -39,7 +39,9 @@ grpc_client = pytest.importorskip("tritonclient.grpc")
 import flarepp  # noqa: E402
 from flarepp.cli import main  # noqa: E402
 from flarepp.inference.infer import geometry_case  # noqa: E402
+from flarepp.inference.execution import Execution  # noqa: E402
 from flarepp.inference.predictor import Predictor  # noqa: E402
+from flarepp.models.surrogate import Surrogate  # noqa: E402
 from flarepp.serve.batching import MicroBatcher, make_job  # noqa: E402
 from flarepp.serve.limits import Guard, Limits, Refused  # noqa: E402
 from flarepp.serve.process import call_model, declared_body, start_server  # noqa: E402
@@ -66,7 +68,7 @@ def assert_same(got, want):
 def _random_predictor() -> Predictor:
     model = flarepp.build_model(mixer="flarepp", in_dim=2, out_dim=3, dim=16, heads=2,
                                 blocks=2, latents=4)
-    return Predictor(model.eval(), device="cpu")
+    return Predictor(Surrogate(model.eval()), Execution(torch.device("cpu")))
 
 
 def test_padded_batches_equal_each_request_alone():
