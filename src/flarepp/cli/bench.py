@@ -42,6 +42,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def counts(low: int):
+    """An argparse ``type``: comma-separated integers, each ``>= low`` (a usage error
+    naming the text otherwise)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated counts, got "
+                                             f"{text!r}") from None
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"expected counts >= {low}, got {text!r}")
+        return values
+    return parse
+
+
 def _sizes(text: str) -> list[int]:
     from flarepp.bench.scaling import parse_sizes
     try:

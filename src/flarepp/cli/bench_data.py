@@ -14,17 +14,6 @@ from pathlib import Path
 from flarepp.cli import at_least
 
 
-def _counts(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") \
-            from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected counts >= 0, got {text!r}")
-    return values
-
-
 def _bench_data(args: argparse.Namespace) -> int:
     from flarepp.bench.data import conversion_throughput, loader_share
     from flarepp.io import atomic_write_json
@@ -59,7 +48,7 @@ def _bench_data(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers
+    from flarepp.cli.bench import bench_subparsers, counts
     p = bench_subparsers(sub).add_parser(
         "data", help="conversion throughput (rows/s) and the loader's share of step time",
         description="Converts generated VTU files (cells/s, points/s), then trains steps of "
@@ -74,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--points", type=at_least(2), default=972,
                    help="points per generated sample (default 972, elasticity-tiny's)")
     p.add_argument("--preset", default="store-tiny")
-    p.add_argument("--workers", type=_counts, default=[0, 2],
+    p.add_argument("--workers", type=counts(0), default=[0, 2],
                    help="loader worker counts, comma-separated (default 0,2)")
     p.add_argument("--steps", type=at_least(1), default=40, help="timed steps per count")
     p.add_argument("--points-per-step", type=at_least(1), default=None,

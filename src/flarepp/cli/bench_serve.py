@@ -10,24 +10,13 @@ from pathlib import Path
 from flarepp.cli import CLIError, at_least
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") \
-            from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts >= 1, got {text!r}")
-    return values
-
-
 def _bench_serve(args: argparse.Namespace) -> int:
     from flarepp.bench.serve import ServeBenchConfig, goals, run_serve_bench
     from flarepp.experiments.reports.common import fmt, markdown
     from flarepp.io import atomic_write_json
     if 1 not in args.clients:
         raise CLIError("--clients must include 1 (the latency goal compares with one client)")
-    config = ServeBenchConfig(run=args.run, clients=args.clients, points=args.points,
+    config = ServeBenchConfig(run=args.run, clients=tuple(args.clients), points=args.points,
                               requests=args.requests, seconds=args.seconds,
                               max_batch=args.max_batch, large_points=args.large_points,
                               chunk_size=args.chunk_size, protocol=args.protocol,
@@ -54,23 +43,25 @@ def _bench_serve(args: argparse.Namespace) -> int:
     met = goals(result)
     print("\n" + "\n".join(markdown(["goal", "measured", "met"],
                                     [[g, fmt(v, ".3g"), ok] for g, v, ok in met])))
-    if args.json:
+    if args.json is not None:
         atomic_write_json(args.json, {**result, "goals": met})
         print(f"wrote {args.json}")
     return 0
 
 
+HELP = "flarepp serve under load: throughput, latency, memory, errors"
+DESCRIPTION = ("Starts `flarepp serve` twice on loopback ports (batched and unbatched), sends "
+               "1K-point meshes from 1, 4, 16 concurrent clients (each answer checked), one "
+               "1M-point mesh (compared with `flarepp infer`) and one bad request of each "
+               "class. Without --run it trains store-tiny for one epoch on elasticity "
+               "meshes first.")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers
-    p = bench_subparsers(sub).add_parser(
-        "serve", help="flarepp serve under load: throughput, latency, memory, errors",
-        description="Starts `flarepp serve` on loopback ports (batched, then unbatched), "
-                    "sends 1K-point meshes from 1, 4, 16 concurrent clients (each answer "
-                    "checked), one 1M-point mesh (compared with `flarepp infer`) and one "
-                    "bad request of each class. Without --run it trains store-tiny for one "
-                    "epoch on elasticity meshes first.")
+    from flarepp.cli.bench import bench_subparsers, counts
+    p = bench_subparsers(sub).add_parser("serve", help=HELP, description=DESCRIPTION)
     p.add_argument("--run", help="an unconditioned run directory (default: one made here)")
-    p.add_argument("--clients", type=_counts, default=(1, 4, 16),
+    p.add_argument("--clients", type=counts(1), default=[1, 4, 16],
                    help="concurrent client counts (default 1,4,16; must include 1)")
     p.add_argument("--points", type=at_least(2), default=1024, help="points per mesh")
     p.add_argument("--requests", type=at_least(1), default=320,

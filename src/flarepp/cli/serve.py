@@ -51,22 +51,30 @@ def _serve(args: argparse.Namespace) -> int:
         from flarepp.serve.server import ServeSettings, serve
     except ServeUnavailable as err:
         raise CLIError(str(err)) from None
-    limits = Limits(max_body_bytes=args.max_body_mb << 20, max_points=args.max_points,
-                    max_seconds=args.max_seconds, read_timeout=args.read_timeout,
-                    chunk_size=args.chunk_size, max_batch=args.max_batch,
-                    max_queue=args.max_queue)
-    settings = ServeSettings(host=args.host, http_port=args.port,
-                             grpc_port=None if args.grpc_port < 0 else args.grpc_port,
-                             token=token, device=args.device, limits=limits)
-    serve(runs, settings)
+    limits = Limits(max_body_bytes=args.max_body_mb << 20, **{
+        name: getattr(args, name) for name in ("max_points", "max_seconds", "read_timeout",
+                                               "chunk_size", "max_batch", "max_queue")})
+    serve(runs, ServeSettings(host=args.host, http_port=args.port,
+                              grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+                              token=token, device=args.device, limits=limits))
     return 0
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
+    if not float(text) > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+    return float(text)
+
+
+BUDGET = [  # option, type, default, help: the request budget (flarepp.serve.limits.Limits)
+    ("--chunk-size", at_least(1), 1 << 16, "requests above this many points stream in "
+     "chunks of it (exact); a batch holds at most this many padded points"),
+    ("--max-batch", at_least(1), 16, "requests per batched forward (1: no batching)"),
+    ("--max-queue", at_least(1), 256, "requests waiting per model before 429"),
+    ("--max-points", at_least(1), 4 << 20, "points per request before 413"),
+    ("--max-body-mb", at_least(1), 256, "MiB per request body before 413"),
+    ("--max-seconds", _seconds, 300.0, "seconds a request may wait in the queue before 429"),
+    ("--read-timeout", _seconds, 30.0, "seconds to receive a request body before 408")]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,9 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Serves each run as a model: tensors in and fields out "
                        "(v2 infer), a mesh file in and the mesh with its predicted fields out "
                        "(POST /v2/models/NAME/mesh), a page at /page/. docs/serve.md.")
-    p.add_argument("runs", nargs="+", metavar="RUN",
-                   help="a run directory or checkpoint, or NAME=PATH (default name: the run's "
-                        "folder)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or checkpoint, "
+                   "or NAME=PATH (default name: the run's folder)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; another needs a token)")
     p.add_argument("--port", type=at_least(0), default=8080, help="REST port (0: any free)")
@@ -86,20 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", help=f"a file holding the token every call must send "
                    f"('Authorization: Bearer TOKEN'); default ${TOKEN_ENV}")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:K")
-    p.add_argument("--chunk-size", type=at_least(1), default=1 << 16,
-                   help="requests above this many points stream in chunks of it (exact); "
-                        "a batch holds at most this many padded points (default 65536)")
-    p.add_argument("--max-batch", type=at_least(1), default=16,
-                   help="requests per batched forward (1: no batching; default 16)")
-    p.add_argument("--max-queue", type=at_least(1), default=256,
-                   help="requests waiting per model before 429 (default 256)")
-    p.add_argument("--max-points", type=at_least(1), default=4 << 20,
-                   help="points per request before 413 (default 4194304)")
-    p.add_argument("--max-body-mb", type=at_least(1), default=256,
-                   help="MiB per request body before 413 (default 256)")
-    p.add_argument("--max-seconds", type=_seconds, default=300.0,
-                   help="seconds a request may wait in the queue before 429 (default 300)")
-    p.add_argument("--read-timeout", type=_seconds, default=30.0,
-                   help="seconds to receive a request body before 408 (default 30)")
+    for option, kind, default, text in BUDGET:
+        p.add_argument(option, type=kind, default=default, help=f"{text} (default {default})")
     add_threads_argument(p)
     p.set_defaults(func=_serve)

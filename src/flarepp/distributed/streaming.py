@@ -375,13 +375,7 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     Raises ``ValueError`` for a model with a mixer that cannot stream or without a
     ``streaming_plan()`` (see :class:`~flarepp.models.backbone.StreamingPlan`).
     """
-    refusal = streaming_refusal(model)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if hidden_on not in HIDDEN_ON:
-        raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got {hidden_on!r}")
+    _check_streaming(model, chunk_size, hidden_on)
     plan = model.streaming_plan()
     device = (next(model.parameters()).device if device is None else torch.device(device))
     batch, n_tokens = x_BNI.shape[:2]
@@ -410,18 +404,36 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
                     bar.total = 2 + len(plan.blocks) * passes
                     bar.refresh()
             backend.check_queries()
-            y_BNO = None
-            for sl in chunks:
-                y_c = plan.head(hidden[:, sl].to(device), _to(mask_BN, sl, device))
-                if y_BNO is None:
-                    y_BNO = y_c.new_empty((batch, n_tokens, *y_c.shape[2:]),
-                                          device=x_BNI.device)
-                y_BNO[:, sl] = y_c
+            y_BNO = _stream_head(plan, hidden, mask_BN, chunks, device, x_BNI.device)
             bar.update()
             return y_BNO
     finally:
         bar.close()
         restore_backends(previous)
+
+
+def _check_streaming(model: nn.Module, chunk_size: int, hidden_on: str) -> None:
+    refusal = streaming_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if hidden_on not in HIDDEN_ON:
+        raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got {hidden_on!r}")
+
+
+def _stream_head(plan: Any, hidden: torch.Tensor, mask_BN: torch.Tensor | None,
+                 chunks: list[slice], device: torch.device, out_device: torch.device
+                 ) -> torch.Tensor:
+    """The head over every chunk of the last hidden state: ``y [B, N, O]`` on
+    ``out_device``."""
+    y_BNO = None
+    for sl in chunks:
+        y_c = plan.head(hidden[:, sl].to(device), _to(mask_BN, sl, device))
+        if y_BNO is None:
+            y_BNO = y_c.new_empty((*hidden.shape[:2], *y_c.shape[2:]), device=out_device)
+        y_BNO[:, sl] = y_c
+    return y_BNO
 
 
 def _stream_block(block, hidden: torch.Tensor, mask_BN: torch.Tensor | None, carry: Any,
