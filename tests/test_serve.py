@@ -582,6 +582,32 @@ def test_a_slow_client_gets_408_while_others_are_served(server, reference):
 
 
 @pytest.mark.slow
+def test_the_load_benchmark_runs_and_checks_every_answer(runs, tmp_path):
+    """`flarepp bench serve` at a small scale on the surface run: a batched and an unbatched
+    server, every answer checked (none lost or wrong), the large mesh streamed and equal to
+    `flarepp infer`, every bad request refused with the server answering after it. (Its
+    timings are the benchmark's to report, not this test's.)"""
+    from flarepp.bench.serve import ServeBenchConfig, goals, run_serve_bench
+    result = run_serve_bench(ServeBenchConfig(
+        run=str(runs["car"]), clients=(1, 3), requests=12, large_points=20_000,
+        chunk_size=4096, pool=4, work_dir=str(tmp_path)), progress=lambda line: None)
+    assert [(r["mode"], r["clients"], r["answered"], r["errors"], r["wrong"])
+            for r in result["load"]] == [
+        ("batched", 1, 12, 0, 0), ("unbatched", 1, 12, 0, 0),
+        ("batched", 3, 12, 0, 0), ("unbatched", 3, 12, 0, 0)]
+    assert result["large"]["deviation"] <= 1e-6
+    assert [b["request"] for b in result["bad"]] == [
+        "wrong shape", "NaN", "unknown model", "wrong token", "body over budget",
+        "stalled client"]
+    for bad, status in zip(result["bad"], ("400", "400", "NOT_FOUND", "401", "413", "408")):
+        assert status in bad["answer"] and bad["alive"], bad
+    met = dict((what, ok) for what, _, ok in goals(result))
+    assert met["requests lost or answered wrongly == 0"]
+    assert met["every bad request refused, the server alive after each"]
+    assert list(tmp_path.iterdir()) == []                    # its work directory is gone
+
+
+@pytest.mark.slow
 def test_the_server_stops_cleanly_and_wrote_nothing_outside_its_temporary_directory(server):
     """SIGTERM: exit 143 after a graceful stop; its working directory and TMPDIR are as
     empty as they started (its own temporary directory, uploads included, is gone) and HOME
