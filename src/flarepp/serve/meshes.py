@@ -4,11 +4,11 @@ Shape letters: n rows (the mesh's points or cells, as the run's data were), I in
 outputs.
 
 * **In** (:func:`mesh_request`): the inputs built from the file exactly as the run's data
-  were built: for a run on a converted store, by the conversion's own filters and the
-  channel layout the run stored (:func:`flarepp.data.convert.mesh_inputs`: point positions
-  or cell centres, normals, areas, volumes, named arrays with their unit scales, conditions
-  from the request or the file's field data); for the surface task, each cell's centre and
-  unit normal (:func:`flarepp.inference.infer.geometry_case`).
+  were built, as ``flarepp infer --mesh`` builds them (:func:`flarepp.inference.mesh_cases.
+  mesh_cases`): for a run on a converted store, by the conversion's own filters under the
+  channel layout the run stored (point positions or cell centres, normals, areas, volumes,
+  named arrays with their unit scales, conditions from the request or the file's field
+  data); for the surface task, each cell's centre and unit normal.
 * **Out** (:func:`write_prediction`): the file's mesh with ``pred_<field>`` point or cell
   arrays (:func:`flarepp.data.meshes.write_fields`), as VTK XML (``.vtp`` for polygon
   surfaces and point clouds, ``.vtu`` for every other mesh); with ``surface`` its outer
@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flarepp.data.convert import mesh_inputs
 from flarepp.data.meshes import read_mesh, write_fields
-from flarepp.inference.infer import geometry_case
-from flarepp.serve.run import SURFACE_TASK, ServedRun
+from flarepp.inference.mesh_cases import mesh_cases
+from flarepp.serve.run import ServedRun
 from flarepp.storage.locks import file_safe
 from flarepp.tasks.surface import integrated_forces
 
@@ -52,15 +51,9 @@ def mesh_request(run: ServedRun, path: Path, conditions: dict[str, float]) -> Me
     refused = run.mesh_support()
     if refused is not None:
         raise ValueError(refused)
-    if run.task == SURFACE_TASK:
-        if conditions:
-            raise ValueError(f"this surface run takes no conditions, got {sorted(conditions)}")
-        case = geometry_case(path)
-        return MeshRequest(case.x[0], None, "cell", case.areas)
-    x, values = mesh_inputs(path, run.channels, conditions)
-    takes = run.layout.conditions is not None
-    return MeshRequest(x, np.asarray(values, np.float32) if takes else None,
-                       run.channels.association)
+    case = next(mesh_cases(run.predictor, path, conditions=conditions))
+    return MeshRequest(case.x[0], None if case.conditions is None else case.conditions[0],
+                       case.association, case.areas)
 
 
 def integrated_force(request: MeshRequest, fields_NO: np.ndarray) -> np.ndarray | None:

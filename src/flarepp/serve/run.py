@@ -4,47 +4,52 @@ prediction API.
 Shape letters: B samples, N points, G coordinate and F feature channels (I = G + F inputs),
 K conditioning tokens of C features, O outputs.
 
-:func:`load_run` is the only place the server touches the predictor. It loads a run through
-the public API (what :func:`flarepp.load` returns: ``predict(points, features=,
-conditions=, mask=, chunk_size=)`` in physical units, its ``layout`` and ``config``) and
-reads what the run stored about its data (the channel layout its conversion recorded, from
-which a new mesh's inputs are built). Checkpoints are read with ``torch.load(weights_only=
-True)`` (:func:`flarepp.storage.checkpoint.read_checkpoint`), so a crafted file cannot run
-code when the server loads it.
+:func:`load_run` is the only place the server loads a run: through the public API (what
+:func:`flarepp.load` returns, a ``Predictor``: ``predict(points, features=, conditions=,
+mask=, chunk_size=, batch_size=)`` in physical units, its ``layout`` with the channel layout
+its data was converted with, its ``config``); new meshes' inputs are built from it by
+:func:`flarepp.inference.mesh_cases.mesh_cases`, as ``flarepp infer --mesh`` builds them.
+Checkpoints are read with ``torch.load(weights_only=True)``
+(:func:`flarepp.storage.checkpoint.read_checkpoint`), so a crafted file cannot run code
+when the server loads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from flarepp.data.convert import layout_spec
-from flarepp.data.layout import ChannelLayout
 from flarepp.data.spec import SpecError
 from flarepp.distributed.streaming import streaming_refusal
-from flarepp.inference.predictor import InputLayout, load_predictor
-from flarepp.storage.checkpoint import read_checkpoint
-from flarepp.storage.rundir import RunDir
+from flarepp.inference.mesh_cases import run_layout
+from flarepp.inference.predictor import InputLayout, Predictor, PredictorError, load_predictor
 
 SURFACE_TASK = "surface"      # inputs: a surface's cell centres and unit normals
 
 
 @dataclass(frozen=True)
 class ServedRun:
-    """``predict`` (physical inputs in, fields ``[(B,) N, O]`` out), the run's input
-    ``layout``, its ``task``, the channel layout its data was converted with (``channels``;
-    None where the run stored none), the ``checkpoint`` it came from, and why its model
+    """A loaded run (``predictor``: what :func:`flarepp.load` returns) and why its model
     cannot be streamed in chunks (``streaming``; None when it can: paper App. B)."""
 
-    predict: Callable[..., np.ndarray]
-    layout: InputLayout
-    task: str
-    channels: ChannelLayout | None
-    checkpoint: Path
+    predictor: Predictor
     streaming: str | None = None
+
+    def predict(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        """Physical inputs in, fields ``[(B,) N, O]`` out (``Predictor.predict``)."""
+        return self.predictor.predict(*args, **kwargs)
+
+    @property
+    def layout(self) -> InputLayout:
+        return self.predictor.layout
+
+    @property
+    def task(self) -> str:
+        return self.predictor.config.task
 
     @property
     def coordinates(self) -> int:
@@ -61,18 +66,15 @@ class ServedRun:
         """None when a mesh file's inputs can be built for this run, else why not."""
         if self.task == SURFACE_TASK:
             return None
-        if self.channels is None:
-            return (f"this {self.task!r} run stored no channel layout, so its inputs cannot "
-                    "be built from a mesh; send its inputs as tensors")
         try:
-            layout_spec(self.channels)
-        except SpecError as err:
+            layout_spec(run_layout(self.predictor))
+        except (PredictorError, SpecError) as err:
             return str(err)
         return None
 
     def describe(self) -> dict[str, Any]:
         """The run's layout as plain data (for the model's metadata)."""
-        layout, channels = self.layout, self.channels
+        layout, channels = self.layout, self.layout.data_layout
         association = "cell" if self.task == SURFACE_TASK else (
             channels.association if channels is not None else "point")
         return {"task": self.task, "coordinates": self.coordinates,
@@ -89,14 +91,7 @@ def load_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
     """The :class:`ServedRun` of a run directory (its reported checkpoint) or checkpoint
     file, on ``device`` (module docstring)."""
     predictor = load_predictor(path, device=device)
-    path = Path(path)
-    checkpoint = RunDir(path).reported_checkpoint() if path.is_dir() else path
-    data = read_checkpoint(checkpoint).get("data", {})
-    channels = ChannelLayout.from_dict(data["layout"]) if "layout" in data else None
-    if channels is not None and predictor.layout.conditions is None:
-        channels = channels.with_conditions([])        # the model takes none of them
-    return ServedRun(predictor.predict, predictor.layout, predictor.config.task, channels,
-                     checkpoint, streaming_refusal(predictor.model))
+    return ServedRun(predictor, streaming_refusal(predictor.model))
 
 
 __all__ = ["SURFACE_TASK", "ServedRun", "load_run"]
