@@ -66,6 +66,96 @@ def _with_arrays(mesh, seed: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# volume cells of every linear VTK type, and slow references for their geometry
+
+LINEAR_VOLUME_TYPES = {"tetra": 10, "voxel": 11, "hexahedron": 12, "wedge": 13, "pyramid": 14,
+                       "pentagonal prism": 15, "hexagonal prism": 16}
+
+
+def cells_of_type(cell_type: int, blocks=(3, 2, 2), *, warp: float = 0.0, seed: int = 0):
+    """A grid of VTK's ``vtkCellTypeSource`` cells of ``cell_type`` over ``blocks`` unit
+    blocks, moved by a projective map ``x -> (A x + b) / (1 + c . x)`` (planes stay planes,
+    so every face stays planar, but the cells are no affine images of each other; voxels,
+    axis-aligned by definition, only scaled and moved) and, with ``warp`` > 0, every point
+    jittered by up to ``warp`` (faces of 4+ points warp)."""
+    import pyvista as pv
+    from vtkmodules.vtkFiltersSources import vtkCellTypeSource
+    source = vtkCellTypeSource()
+    source.SetCellType(cell_type)
+    source.SetBlocksDimensions(*blocks)
+    source.Update()
+    mesh = pv.wrap(source.GetOutput())
+    rng = np.random.default_rng(seed)
+    x = np.asarray(mesh.points, np.float64)
+    voxel = cell_type == 11
+    a = np.diag(rng.uniform(0.5, 2, 3)) if voxel else np.eye(3) + 0.3 * rng.uniform(-1, 1, (3, 3))
+    c = np.zeros(3) if voxel else rng.uniform(0.02, 0.08, 3)
+    mesh.points = (x @ a.T + rng.uniform(-5, 5, 3)) / (1 + x @ c)[:, None]
+    if warp:
+        mesh.points = np.asarray(mesh.points) + rng.uniform(-warp, warp, (mesh.n_points, 3))
+    return mesh
+
+
+def _faces(cell_type: int):
+    """The faces of a VTK cell type as local vertex lists (pixel faces in polygon order),
+    asked of a VTK cell one cell at a time (the slow way)."""
+    from vtkmodules.vtkCommonDataModel import vtkGenericCell
+    cell = vtkGenericCell()
+    cell.SetCellType(cell_type)
+    n = cell.GetNumberOfPoints()
+    cell.GetPointIds().SetNumberOfIds(n)
+    cell.GetPoints().SetNumberOfPoints(n)
+    for i in range(n):
+        cell.GetPointIds().SetId(i, i)
+    faces = []
+    for f in range(cell.GetNumberOfFaces()):
+        face = cell.GetFace(f)
+        ids = [face.GetPointIds().GetId(j) for j in range(face.GetNumberOfPoints())]
+        faces.append([ids[0], ids[1], ids[3], ids[2]] if face.GetCellType() == 8 else ids)
+    return faces
+
+
+def fan_reference(mesh) -> tuple[np.ndarray, np.ndarray]:
+    """Centres and volumes of every linear volume cell, cell by cell: each face a fan of
+    triangles about its vertex mean (a triangle itself), tetrahedra from the cell's vertex
+    mean (not the fast path's vertex 0) to every fan triangle, ``det / 6`` each; the
+    volume-weighted mean of the tetrahedra's centroids."""
+    points = np.asarray(mesh.points, np.float64)
+    centres, volumes = np.zeros((mesh.n_cells, 3)), np.zeros(mesh.n_cells)
+    for c in range(mesh.n_cells):
+        cell = mesh.get_cell(c)
+        x = points[cell.point_ids]
+        apex = x.mean(0)
+        moment, volume = np.zeros(3), 0.0
+        for face in _faces(int(cell.type)):
+            fan = [x[face]] if len(face) == 3 else [
+                (x[face[i]], x[face[(i + 1) % len(face)]], x[face].mean(0))
+                for i in range(len(face))]
+            for a, b, d in fan:
+                six = np.linalg.det(np.stack([a - apex, b - apex, d - apex]))
+                volume += six / 6
+                moment += six / 6 * (apex + a + b + d) / 4
+        centres[c], volumes[c] = moment / volume, abs(volume)
+    return centres, volumes
+
+
+def convex_hull_reference(mesh) -> tuple[np.ndarray, np.ndarray]:
+    """Centres and volumes of convex cells (planar faces) from scipy, cell by cell: the
+    convex hull's volume, and the volume-weighted centroid of a Delaunay tetrahedralisation
+    of the cell's vertices -- geometry that knows nothing of VTK's face lists."""
+    from scipy.spatial import ConvexHull, Delaunay
+    points = np.asarray(mesh.points, np.float64)
+    centres, volumes = np.zeros((mesh.n_cells, 3)), np.zeros(mesh.n_cells)
+    for c in range(mesh.n_cells):
+        x = points[mesh.get_cell(c).point_ids]
+        tets = x[Delaunay(x).simplices]
+        v = np.abs(np.linalg.det(tets[:, 1:] - tets[:, :1])) / 6
+        centres[c] = (v[:, None] * tets.mean(1)).sum(0) / v.sum()
+        volumes[c] = ConvexHull(x).volume
+    return centres, volumes
+
+
+# ---------------------------------------------------------------------------------------------
 # one writer per claimed format: write(folder, name, seed) -> the case file
 
 def _save(mesh, path: Path) -> Path:

@@ -135,6 +135,35 @@ def test_convert_then_check_describes_the_store(tmp_path, capsys):
     assert "every byte compared" in out
 
 
+@pytest.mark.parametrize("kinds", [("tetra",), ("hexahedron",), ("wedge",), ("pyramid",),
+                                   ("tetra", "hexahedron", "wedge", "pyramid")])
+def test_cells_of_each_type_convert_to_their_slow_reference_geometry(tmp_path, kinds):
+    """A VTU of warped cells of one type, or of all four interleaved, converted with data
+    at the cells: each stored row holds its own cell's centre and volume as the
+    cell-by-cell fan reference computes them (in the store's float32) and its own cell
+    array value. A failure points to rows reordered by the per-type grouping, or a
+    geometry that differs from its definition."""
+    import pyvista as pv
+    from mesh_files import LINEAR_VOLUME_TYPES, cells_of_type, fan_reference
+    parts = [cells_of_type(LINEAR_VOLUME_TYPES[k], (2, 2, 1), warp=0.05, seed=i)
+             for i, k in enumerate(kinds)]
+    mesh = pv.merge(parts, merge_points=False) if len(parts) > 1 else parts[0]
+    mesh = mesh.extract_cells(np.random.default_rng(1).permutation(mesh.n_cells))
+    mesh = mesh.cast_to_unstructured_grid()
+    mesh.clear_data()
+    mesh.cell_data["p"] = np.arange(mesh.n_cells, dtype=np.float64)
+    (tmp_path / "src").mkdir()
+    mesh.save(tmp_path / "src" / "case.vtu")
+    spec = parse_spec({"association": "cell", "geometry": ["coordinates", "volumes"],
+                       "targets": ["p"]})
+    store = convert(tmp_path / "src", tmp_path / "store", spec, progress=False).store
+    x, y = store.split("train").sample(0)
+    centres, volumes = fan_reference(mesh)
+    np.testing.assert_array_equal(x[:, :3], centres.astype(np.float32))
+    np.testing.assert_array_equal(x[:, 3], volumes.astype(np.float32))
+    np.testing.assert_array_equal(y[:, 0], np.arange(mesh.n_cells, dtype=np.float32))
+
+
 def test_conditions_from_a_table_by_case_name_or_stem(tmp_path):
     """A CSV table keyed by case (here by the file's stem) gives each case its conditions,
     over the files' field data; a JSON table alike."""

@@ -14,8 +14,9 @@ from flarepp.data import DataError  # noqa: E402
 from flarepp.data.convert import convert  # noqa: E402
 from flarepp.data.meshes import MESH_FORMATS, cell_geometry, read_mesh  # noqa: E402
 from flarepp.data.spec import parse_spec  # noqa: E402
-from mesh_files import (ARRAY_NAMES, CARRIES, WRITERS, cell_field, point_field,  # noqa: E402
-                        surface_mesh, velocity, volume_mesh, write_openfoam)
+from mesh_files import (ARRAY_NAMES, CARRIES, LINEAR_VOLUME_TYPES, WRITERS,  # noqa: E402
+                        cell_field, cells_of_type, convex_hull_reference, fan_reference,
+                        point_field, surface_mesh, velocity, volume_mesh, write_openfoam)
 
 FORMATS = MESH_FORMATS.names()
 
@@ -151,3 +152,95 @@ def test_openfoam_latest_time_and_cell_data(tmp_path):
     assert "p" in mesh.cell_data.keys() and "p" not in mesh.point_data.keys()
     centres = cell_geometry(mesh, foam).centres
     np.testing.assert_allclose(mesh.cell_data["p"], 2.0 * cell_field(centres), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-D cell geometry of every linear cell type against slow references
+
+@pytest.mark.parametrize("name", sorted(LINEAR_VOLUME_TYPES))
+def test_planar_faced_cells_of_every_linear_type_match_three_references(name):
+    """Cells of each linear VTK type under a projective map (planar faces, no two cells
+    alike): centres and volumes equal (1e-12) scipy's convex hull and Delaunay centroid,
+    cell by cell; VTK's own tetrahedra (the former path, ``triangulated_geometry``); and
+    VTK's cell sizes. A failure points to a face table (order, orientation, a voxel's
+    pixel faces) or the vectorised sums."""
+    from flarepp.data.meshes import triangulated_geometry
+    mesh = cells_of_type(LINEAR_VOLUME_TYPES[name], seed=3)
+    geometry = cell_geometry(mesh, name)
+    hull_centres, hull_volumes = convex_hull_reference(mesh)
+    np.testing.assert_allclose(geometry.measures, hull_volumes, rtol=1e-12)
+    np.testing.assert_allclose(geometry.centres, hull_centres, rtol=1e-12, atol=1e-12)
+    vtk_centres, vtk_volumes = triangulated_geometry(mesh, np.arange(mesh.n_cells))
+    np.testing.assert_allclose(geometry.measures, vtk_volumes, rtol=1e-12)
+    np.testing.assert_allclose(geometry.centres, vtk_centres, rtol=1e-12, atol=1e-12)
+    sizes = mesh.compute_cell_sizes(length=False, area=False).cell_data["Volume"]
+    np.testing.assert_allclose(geometry.measures, np.abs(sizes), rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_VOLUME_TYPES))
+def test_warped_cells_are_the_fan_polyhedra_and_tile_their_mesh(name):
+    """Jittered cells (faces of 4+ points no longer planar): centres and volumes equal the
+    cell-by-cell fan reference (faces fanned about their vertex mean, tetrahedra from the
+    cell's vertex mean, not the fast path's vertex 0) to 1e-12, and where the cells tile
+    their box (VTK's prisms of 5 and 6 sides do not) their volumes sum to the volume the
+    mesh's boundary encloses (the same face shape seen from both cells of an inner face).
+    A failure points to a dropped triangle or a face shape that differs between
+    neighbours."""
+    mesh = cells_of_type(LINEAR_VOLUME_TYPES[name], warp=0.08, seed=4)
+    geometry = cell_geometry(mesh, name)
+    centres, volumes = fan_reference(mesh)
+    np.testing.assert_allclose(geometry.measures, volumes, rtol=1e-12)
+    np.testing.assert_allclose(geometry.centres, centres, rtol=1e-12, atol=1e-12)
+    if name.endswith("prism"):
+        return
+    boundary = mesh.extract_surface(algorithm="dataset_surface")
+    enclosed = 0.0
+    for c in range(boundary.n_cells):
+        x = np.asarray(boundary.points, np.float64)[boundary.get_cell(c).point_ids]
+        fan_point = x.mean(0)
+        enclosed += sum(np.dot(fan_point, np.cross(x[i], x[(i + 1) % len(x)]))
+                        for i in range(len(x))) / 6
+    assert geometry.measures.sum() == pytest.approx(abs(enclosed), rel=1e-12)
+
+
+def test_mixed_cells_an_inside_out_cell_and_quadratic_cells_in_one_mesh():
+    """One grid of tetrahedra, hexahedra, wedges and pyramids (warped), a hexahedron
+    numbered inside out (top and bottom swapped) and quadratic tetrahedra (VTK's
+    tetrahedra path): every cell's centre and volume lands at its own row, equal to its
+    reference; the inside-out hexahedron gives the same centre and a positive volume. A
+    failure points to the per-type grouping or the fallback's row order."""
+    import pyvista as pv
+    parts = [cells_of_type(LINEAR_VOLUME_TYPES[n], (2, 1, 1), warp=0.05, seed=k)
+             for k, n in enumerate(("tetra", "hexahedron", "wedge", "pyramid"))]
+    quadratic = cells_of_type(10, (1, 1, 1), seed=9)
+    tets = np.asarray(quadratic.cells_dict[10])
+    x = np.asarray(quadratic.points, np.float64)
+    edges = [(0, 1), (1, 2), (2, 0), (0, 3), (1, 3), (2, 3)]
+    cells, points = [], [x]
+    for t, tet in enumerate(tets[:5]):
+        mids = np.array([(x[tet[a]] + x[tet[b]]) / 2 for a, b in edges])
+        ids = len(x) + 6 * t + np.arange(6)
+        points.append(mids)
+        cells.append(np.concatenate([[10], tet, ids]))
+    quadratic = pv.UnstructuredGrid(np.concatenate(cells), np.full(len(cells), 24),
+                                    np.concatenate(points))
+    mixed = pv.merge([*parts, quadratic], merge_points=False)
+    order = np.random.default_rng(0).permutation(mixed.n_cells)   # types interleaved
+    mixed = mixed.extract_cells(order).cast_to_unstructured_grid()
+    geometry = cell_geometry(mixed, "mixed")
+    linear = np.asarray(mixed.celltypes) != 24
+    centres, volumes = fan_reference(mixed.extract_cells(np.flatnonzero(linear)))
+    np.testing.assert_allclose(geometry.measures[linear], volumes, rtol=1e-12)
+    np.testing.assert_allclose(geometry.centres[linear], centres, rtol=1e-12, atol=1e-12)
+    q = np.asarray(mixed.points, np.float64)[
+        [mixed.get_cell(c).point_ids[:4] for c in np.flatnonzero(~linear)]]
+    np.testing.assert_allclose(geometry.measures[~linear],
+                               np.abs(np.linalg.det(q[:, 1:] - q[:, :1])) / 6, rtol=1e-12)
+    np.testing.assert_allclose(geometry.centres[~linear], q.mean(1), rtol=1e-12)
+    hexes = cells_of_type(12, (1, 1, 1), seed=5)
+    flipped = np.asarray(hexes.cells_dict[12])[:, [4, 5, 6, 7, 0, 1, 2, 3]]
+    inside_out = pv.UnstructuredGrid({12: flipped}, hexes.points)
+    turned = cell_geometry(inside_out, "inside out")
+    plain = cell_geometry(hexes, "hex")
+    np.testing.assert_allclose(turned.measures, plain.measures, rtol=1e-12)
+    np.testing.assert_allclose(turned.centres, plain.centres, rtol=1e-12)

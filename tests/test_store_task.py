@@ -376,3 +376,25 @@ def test_a_store_without_test_samples_is_refused_before_training(tmp_path):
     store = write_store(tmp_path / "store", {"train": make_samples([30, 41], 0), "test": []})
     with pytest.raises(DataError, match=r"test split is empty.* --test-pattern"):
         build_task(config(store.root), store.root)
+
+
+@pytest.mark.slow
+def test_bench_data_converts_each_cell_type_in_its_own_process(tmp_path, capsys):
+    """`flarepp bench data --cell-types`: one file per cell type converted in a fresh
+    process, with its cell count, time per cell, peak memory above the interpreter's and
+    the stored arrays' bytes (5 float32 channels per cell); `--workers none` skips the
+    loader. No timing is asserted."""
+    import json
+    pytest.importorskip("pyvista")
+    from flarepp.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "data", "--cases", "0", "--workers", "none", "--cell-types",
+                 "hexahedron,mixed", "--cells", "2000", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "loader" not in result
+    rows = {r["cell_type"]: r for r in result["cell_types"]}
+    assert set(rows) == {"hexahedron", "mixed"} and rows["hexahedron"]["cells"] == 2197
+    for r in rows.values():
+        assert r["array_bytes"] >= 5 * 4 * r["cells"] and r["peak_bytes"] > 0
+        assert r["us_per_cell"] == pytest.approx(1e6 * r["seconds"] / r["cells"])
+    assert "us/cell" in capsys.readouterr().out

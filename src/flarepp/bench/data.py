@@ -4,6 +4,12 @@
   files of ``cells`` tetrahedra each, a cell and a point array) converted by
   :func:`flarepp.data.convert.convert` with data at the cells (centres and volumes
   computed) and at the points; rows written per second of the conversion's wall time.
+* **Conversion by cell type** (:func:`conversion_by_cell_type`): one VTU file of about
+  ``cells`` cells of one VTK cell type (tetrahedra, hexahedra, wedges, pyramids, or a mix
+  of the four), made by VTK's ``vtkCellTypeSource`` with jittered points, converted with
+  data at the cells (centres, volumes, a cell array) in a fresh interpreter per file and
+  round: wall time per cell and the peak of the resident set above the interpreter's
+  (:mod:`flarepp.bench.memory`), beside the bytes of the arrays the case gives the store.
 * **Loader share** (:func:`loader_share`): the trainer's own step
   (:meth:`flarepp.train.Trainer.train_step`) on a store-backed fields task, fed by the
   trainer's loader (:func:`flarepp.inference.batching.make_loader`, ``workers`` processes);
@@ -63,6 +69,92 @@ def conversion_throughput(cases: int = 8, cells: int = 50_000, work_dir: str | N
     return out
 
 
+CELL_TYPES = {"tetra": 10, "hexahedron": 12, "wedge": 13, "pyramid": 14}
+"""VTK cell type ids of the volume cells :func:`cell_type_mesh` makes ("mixed": all four)."""
+
+
+def cell_type_mesh(cell_type: str, cells: int, seed: int = 0):
+    """A VTK unstructured grid of about ``cells`` cells of ``cell_type`` (a key of
+    :data:`CELL_TYPES`, or ``"mixed"``: a quarter of each, side by side), a box of
+    ``vtkCellTypeSource`` blocks whose points are jittered by up to a tenth of a block,
+    with a point array ``T`` and a cell array ``p``."""
+    import pyvista as pv
+    from vtkmodules.vtkFiltersSources import vtkCellTypeSource
+    if cell_type == "mixed":
+        parts = [cell_type_mesh(t, max(1, cells // 4), seed + k).translate((1.5 * k, 0, 0))
+                 for k, t in enumerate(CELL_TYPES)]
+        return pv.merge(parts, merge_points=False)
+    if cell_type not in CELL_TYPES:
+        raise ValueError(f"unknown cell type {cell_type!r}; known: "
+                         f"{', '.join([*CELL_TYPES, 'mixed'])}")
+    source = vtkCellTypeSource()
+    source.SetCellType(CELL_TYPES[cell_type])
+    source.SetBlocksDimensions(1, 1, 1)
+    source.Update()
+    per_block = source.GetOutput().GetNumberOfCells()
+    side = max(1, round((cells / per_block) ** (1 / 3)))
+    source.SetBlocksDimensions(side, side, side)
+    source.Update()
+    mesh = pv.wrap(source.GetOutput()).scale(1 / side)
+    rng = np.random.default_rng(seed)
+    mesh.points = np.asarray(mesh.points) + rng.uniform(-0.1 / side, 0.1 / side,
+                                                        mesh.points.shape)
+    mesh.point_data["T"] = np.sin(3 * mesh.points[:, 0])
+    mesh.cell_data["p"] = rng.standard_normal(mesh.n_cells)
+    return mesh
+
+
+def _convert_one(job: dict[str, Any]) -> dict[str, Any]:
+    """Convert the file ``job["path"]`` (data at cells) into a store in ``job["out"]``:
+    wall time, the peak resident set above the one before, the arrays' bytes."""
+    from flarepp.bench.memory import reset_peak_rss, peak_rss_since
+    from flarepp.data.convert import convert
+    from flarepp.data.spec import parse_spec
+    import pyvista  # noqa: F401  (the readers' import is not the conversion's cost)
+    spec = parse_spec({"association": "cell", "geometry": ["coordinates", "volumes"],
+                       "targets": ["p"]})
+    baseline = reset_peak_rss()
+    started = time.perf_counter()
+    report = convert(job["path"], job["out"], spec, overwrite=True, progress=False)
+    seconds = time.perf_counter() - started
+    peak = peak_rss_since(baseline)
+    arrays = sum(p.stat().st_size for p in Path(job["out"]).rglob("*.npy"))
+    return {"cells": report.rows, "seconds": seconds, "peak_bytes": peak,
+            "array_bytes": arrays, "baseline_bytes": baseline}
+
+
+def conversion_by_cell_type(cell_types: list[str], cells: int = 1_000_000, *, rounds: int = 1,
+                            work_dir: str | None = None) -> list[dict[str, Any]]:
+    """Per cell type (module docstring), the median over ``rounds`` (interleaved: every
+    round converts every file once) of the wall seconds and microseconds per cell, the
+    largest peak memory, the file's and the stored arrays' bytes."""
+    import statistics
+
+    from flarepp.bench.fresh import in_fresh_interpreter
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        files = {}
+        for cell_type in cell_types:
+            files[cell_type] = Path(tmp) / f"{cell_type}.vtu"
+            cell_type_mesh(cell_type, cells).save(files[cell_type])
+        records: dict[str, list[dict[str, Any]]] = {t: [] for t in cell_types}
+        for _ in range(rounds):
+            for cell_type, path in files.items():
+                job = {"job": f"{__name__}:_convert_one", "path": str(path),
+                       "out": str(Path(tmp) / "store")}
+                records[cell_type].append(in_fresh_interpreter(
+                    job, what=f"converting {cell_type} cells"))
+        out = []
+        for cell_type, mine in records.items():
+            seconds = statistics.median(r["seconds"] for r in mine)
+            out.append({"cell_type": cell_type, "cells": mine[0]["cells"], "seconds": seconds,
+                        "us_per_cell": 1e6 * seconds / mine[0]["cells"],
+                        "peak_bytes": max(r["peak_bytes"] for r in mine),
+                        "array_bytes": mine[0]["array_bytes"],
+                        "file_bytes": files[cell_type].stat().st_size,
+                        "rounds": [r["seconds"] for r in mine]})
+    return out
+
+
 def loader_share(store: str | Path, *, preset: str = "store-tiny", workers: int = 0,
                  steps: int = 40, points_per_step: int | None = None,
                  overrides: list[str] | None = None) -> dict[str, Any]:
@@ -104,4 +196,5 @@ def loader_share(store: str | Path, *, preset: str = "store-tiny", workers: int 
             "points_per_step": points_per_step, "preset": preset}
 
 
-__all__ = ["conversion_throughput", "loader_share", "volume_cases"]
+__all__ = ["CELL_TYPES", "cell_type_mesh", "conversion_by_cell_type", "conversion_throughput",
+           "loader_share", "volume_cases"]

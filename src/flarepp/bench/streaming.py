@@ -13,7 +13,7 @@ Shape letters: N tokens, K chunk size, C channels.
 * :func:`stream_large`: one streamed forward of a mesh too large for the unchunked one.
 * :func:`stream_exactness`: ``max |y_stream - y|`` against the unchunked forward.
 
-Every measurement runs in a fresh interpreter (:func:`worker_main`) that first warms the
+Every measurement runs in a fresh interpreter (:mod:`flarepp.bench.fresh`) that first warms the
 model up on a few thousand tokens, then times one forward under ``torch.no_grad``. Peak
 memory is the growth of the resident set (CPU) or of allocated device memory (CUDA) above
 the moment just before that forward (:class:`~flarepp.bench.memory.PeakMemory`); the model,
@@ -26,18 +26,15 @@ jobs may share the cores.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-from flarepp import allocator
+from flarepp.bench.fresh import in_fresh_interpreter
 from flarepp.bench.memory import PeakMemory
 from flarepp.device import autocast, resolve_device, synchronize
 from flarepp.models import build_model
@@ -114,34 +111,15 @@ def _exactness(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_JOBS = {"measure": _measure, "exactness": _exactness}
-
-
-def worker_main() -> None:
-    """Entry point of the fresh interpreter: run the JSON job in ``argv[1]``, print a JSON
-    record as the last line of stdout."""
-    policy = allocator.apply_policy()
-    job = json.loads(sys.argv[1])
-    print(json.dumps({**_JOBS[job["kind"]](job), "malloc": str(policy)}))
-
-
 def _in_fresh_interpreter(job: dict[str, Any], *, retain_memory: bool,
                           timeout_s: float) -> dict[str, Any]:
-    """Run ``job`` through :func:`worker_main`; its stderr (progress bars) passes through."""
-    code = "from flarepp.bench.streaming import worker_main; worker_main()"
-    try:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)],
-                              env=allocator.child_environment(retain_memory),
-                              stdout=subprocess.PIPE, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{job['kind']} job (N={job['n_tokens']}, chunk "
-                           f"{job['chunk_size']}) ran past {timeout_s:.0f} s") from None
-    if done.returncode != 0:
-        hint = " (killed: likely out of memory)" if done.returncode == -9 else ""
-        raise RuntimeError(f"{job['kind']} job (N={job['n_tokens']}, chunk "
-                           f"{job['chunk_size']}) failed with exit code "
-                           f"{done.returncode}{hint}; its traceback is above")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run ``job`` (``kind`` ``measure`` or ``exactness``) in a fresh interpreter
+    (:mod:`flarepp.bench.fresh`)."""
+    target = {"measure": "_measure", "exactness": "_exactness"}[job["kind"]]
+    return in_fresh_interpreter({**job, "job": f"{__name__}:{target}"},
+                                what=f"{job['kind']} job (N={job['n_tokens']}, chunk "
+                                     f"{job['chunk_size']})",
+                                retain_memory=retain_memory, timeout_s=timeout_s)
 
 
 def stream_vs_unchunked(settings: dict[str, Any], n_tokens: int, chunk_sizes: list[int], *,

@@ -305,7 +305,7 @@ def _data_array(mesh, path: Path, spec: ArraySpec, association: str, n: int,
         raise DataError(f"{path}: array {spec.array!r} has {len(values)} rows, but the "
                         f"sample has {n} {association}s (the inputs and targets of a sample "
                         "need one row per point or cell each)")
-    values = values.reshape(n, -1).astype(np.float64) * spec.scale
+    values = np.multiply(values.reshape(n, -1), spec.scale, dtype=np.float64)
     _check_finite(values, path, f"array {spec.array!r}")
     _check_float32(values, path, f"array {spec.array!r}", key)
     return values
@@ -355,7 +355,7 @@ def case_sample(mesh, case: Case, spec: ConversionSpec,
     condition table (:func:`table_rows`, None without one); ``dimensions`` fixed by the
     cases before it (None for the first)."""
     path = case.path
-    points = np.asarray(mesh.points, np.float64)
+    points = np.asarray(mesh.points)    # as read (float32 or float64): no copy here
     _check_finite(points, path, "the point coordinates")
     dims = _dimensions(points, spec, dimensions, path)
     association = spec.association
@@ -365,7 +365,7 @@ def case_sample(mesh, case: Case, spec: ConversionSpec,
         extent = points.max(axis=0) - points.min(axis=0) if n else np.zeros(3)
         if n < 2 or not (extent > 0).any():
             raise DataError(f"{path}: degenerate mesh: its {n} point(s) all coincide")
-        geometry = {"coordinates": points[:, :dims]}
+        geometry = {"coordinates": np.asarray(points[:, :dims], np.float64)}
     else:
         cells = cell_geometry(mesh, path)
         n = len(cells.measures)

@@ -17,7 +17,17 @@ Cell geometry (:func:`cell_geometry`), for data at cells:
   (:func:`flarepp.data.drivaerml.polygon_centres_and_normals`): the fan area vector ``a``,
   unit normal ``a / |a|``, area ``|a|`` and centre the area-weighted centroid of the fan
   triangles.
-* **3-D cells** (any VTK volume cell) split into tetrahedra by VTK
+* **3-D linear cells** (tetrahedra, voxels, hexahedra, wedges, pyramids, pentagonal and
+  hexagonal prisms): the polyhedron bounded by the cell's faces as VTK defines them, a
+  face of more than 3 vertices taken as the fan of triangles about its vertex mean. By the
+  divergence theorem, with tetrahedra from the cell's first vertex ``x_0`` to each fan
+  triangle ``(p, q, r)`` (relative to ``x_0``): volume ``V = |sum_t det(p, q, r)| / 6``,
+  centre ``x_0 + sum_t det_t (p + q + r) / (4 sum_t det_t)``. Exact for planar faces
+  (then the fan is immaterial); for warped faces the fan about the face's vertex mean is
+  the same from both cells sharing the face, so the volumes of a conforming mesh sum to
+  the volume it bounds, and it does not depend on how the cell's vertices are numbered.
+  Computed per cell type, vectorised in chunks, from VTK's own face tables (:func:`fan_table`).
+* **Other 3-D cells** (quadratic cells, polyhedra) split into tetrahedra by VTK
   (``vtkDataSetTriangleFilter``): volume ``V = sum_t |det(b - a, c - a, d - a)| / 6`` and
   centre the volume-weighted centroid ``sum_t V_t (a + b + c + d) / 4 / V`` (exact for a
   polyhedron with planar faces).
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import warnings
@@ -331,14 +342,21 @@ def _cell_type_name(cell_type: int) -> str:
     return str(utilities.GetClassNameFromTypeId(int(cell_type)))
 
 
+def _unstructured(mesh):
+    """``mesh`` as an unstructured grid (itself when it is one: pyvista's cast copies)."""
+    pv = require_pyvista()
+    return mesh if isinstance(mesh, pv.UnstructuredGrid) else mesh.cast_to_unstructured_grid()
+
+
 def cell_arrays(mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(cell types [C], offsets [C + 1], connectivity)`` of any pyvista dataset."""
+    """``(cell types [C], offsets [C + 1], connectivity)`` of any pyvista dataset (views of
+    an unstructured grid's own arrays where they are int64 already)."""
     from vtkmodules.util.numpy_support import vtk_to_numpy
-    grid = mesh.cast_to_unstructured_grid()
+    grid = _unstructured(mesh)
     cells = grid.GetCells()
-    return (np.asarray(grid.celltypes).astype(np.int64),
-            vtk_to_numpy(cells.GetOffsetsArray()).astype(np.int64),
-            vtk_to_numpy(cells.GetConnectivityArray()).astype(np.int64))
+    return (np.asarray(grid.celltypes).astype(np.int64, copy=False),
+            vtk_to_numpy(cells.GetOffsetsArray()).astype(np.int64, copy=False),
+            vtk_to_numpy(cells.GetConnectivityArray()).astype(np.int64, copy=False))
 
 
 def cell_dimension(mesh, path: Path | str) -> int:
@@ -348,8 +366,9 @@ def cell_dimension(mesh, path: Path | str) -> int:
     if len(types) == 0:
         raise DataError(f"{path}: the mesh has no cells (empty or truncated)")
     dims: dict[int, int] = {}
-    for t, count in zip(*np.unique(types, return_counts=True)):
-        dims[_cell_dimension(t)] = dims.get(_cell_dimension(t), 0) + int(count)
+    counts = np.bincount(types)
+    for t in np.flatnonzero(counts):
+        dims[_cell_dimension(t)] = dims.get(_cell_dimension(t), 0) + int(counts[t])
     if len(dims) > 1:
         shown = ", ".join(f"{n} of dimension {d}" for d, n in sorted(dims.items()))
         raise DataError(f"{path}: its cells have several dimensions ({shown}); data at cells "
@@ -373,8 +392,8 @@ def cell_geometry(mesh, path: Path | str) -> CellGeometry:
     cell (module docstring); a degenerate cell (zero area or volume) raises, naming it."""
     from flarepp.data.drivaerml import polygon_centres_and_normals
     dimension = cell_dimension(mesh, path)
-    points = np.asarray(mesh.points, np.float64)
     if dimension == 2:
+        points = np.asarray(mesh.points, np.float64)
         types, offsets, connectivity = cell_arrays(mesh)
         unknown = sorted(set(types.tolist()) - set(POLYGON_TYPES))
         if unknown:
@@ -396,20 +415,157 @@ def cell_geometry(mesh, path: Path | str) -> CellGeometry:
                 raise DataError(f"{path}: {err}") from None
         return CellGeometry(2, centres, normals, areas)
     if dimension == 3:
-        return _volume_geometry(mesh, points, path)
+        return _volume_geometry(mesh, path)
     raise DataError(f"{path}: its cells are {dimension}-D (vertices or lines); data at "
                     "cells needs surface (2-D) or volume (3-D) cells")
 
 
-def _volume_geometry(mesh, points: np.ndarray, path: Path | str) -> CellGeometry:
+def _volume_geometry(mesh, path: Path | str) -> CellGeometry:
+    """Volumes and centres of 3-D cells (module docstring): linear cells by their faces'
+    fans (:func:`_fan_geometry`), one cell type at a time in chunks of
+    :data:`CHUNK_VOLUME_CELLS`, each chunk's vertices read from the points as stored and
+    made float64 there; any other 3-D cell (quadratic, polyhedron) through VTK's
+    tetrahedra (:func:`triangulated_geometry`)."""
+    types, offsets, connectivity = cell_arrays(mesh)
+    points = np.asarray(mesh.points)
+    n = len(types)
+    centres, volumes = np.empty((n, 3)), np.empty(n)
+    others = []
+    for cell_type in np.flatnonzero(np.bincount(types)):
+        ids = np.flatnonzero(types == cell_type)
+        table = fan_table(int(cell_type))
+        if table is None or (offsets[ids + 1] - offsets[ids] != table.points).any():
+            others.append(ids)
+            continue
+        for where, vertices_Cn in _chunks_of(ids, offsets, connectivity, table.points):
+            vertices_n3C = np.ascontiguousarray(points[vertices_Cn].transpose(1, 2, 0),
+                                                np.float64)
+            centres[where], volumes[where] = _fan_geometry(vertices_n3C, table)
+    if others:
+        ids = np.concatenate(others)
+        centres[ids], volumes[ids] = triangulated_geometry(mesh, ids)
+    if not (volumes > 0).all():
+        bad = int(np.flatnonzero(~(volumes > 0))[0])
+        raise DataError(f"{path}: cell {bad} has zero volume (degenerate), "
+                        f"{int((~(volumes > 0)).sum())} such cell(s)")
+    return CellGeometry(3, centres, None, volumes)
+
+
+def _chunks_of(ids: np.ndarray, offsets: np.ndarray, connectivity: np.ndarray, corners: int):
+    """``(where, vertex ids [C, corners])`` of chunks of the cells ``ids`` (each of
+    ``corners`` points); ``where`` a slice when the cells are consecutive, which reads
+    their vertex ids as one run of the connectivity."""
+    consecutive = ids[-1] - ids[0] + 1 == len(ids)
+    for start in range(0, len(ids), CHUNK_VOLUME_CELLS):
+        chunk = ids[start:start + CHUNK_VOLUME_CELLS]
+        if consecutive:
+            first, last = int(chunk[0]), int(chunk[-1]) + 1
+            yield (slice(first, last),
+                   connectivity[offsets[first]:offsets[last]].reshape(-1, corners))
+        else:
+            yield chunk, connectivity[offsets[chunk, None] + np.arange(corners)]
+
+
+CHUNK_VOLUME_CELLS = 1 << 10
+"""3-D cells per chunk of :func:`_volume_geometry`: its float64 temporaries (under 2 MiB)
+stay in the cache, which makes the chunked loop 2x faster than whole arrays."""
+
+
+@dataclass(frozen=True)
+class FanTable:
+    """The faces of a linear 3-D VTK cell type of ``points`` vertices as fans of triangles:
+    ``face_weights [F, points]`` make the centre (vertex mean) of each face of more than 3
+    vertices, and ``triangles [T, 3]`` index the cell's vertices (``0 .. points - 1``) and
+    then those face centres; oriented outward, without the triangles through vertex 0."""
+
+    points: int
+    face_weights: np.ndarray
+    triangles: np.ndarray
+
+
+@functools.lru_cache(maxsize=None)
+def fan_table(cell_type: int) -> FanTable | None:
+    """The :class:`FanTable` of a linear 3-D VTK cell type, read from VTK's own face
+    definitions (pixel faces of a voxel put in polygon order), or None for any other type
+    (quadratic cells, polyhedra, lower dimensions) or one whose faces VTK does not orient
+    consistently."""
+    from vtkmodules.vtkCommonDataModel import vtkGenericCell
+    cell = vtkGenericCell()
+    cell.SetCellType(cell_type)
+    n = cell.GetNumberOfPoints()
+    if not cell.IsLinear() or cell.GetCellDimension() != 3 or n == 0 \
+            or cell.GetParametricCoords() is None:
+        return None
+    cell.GetPointIds().SetNumberOfIds(n)
+    cell.GetPoints().SetNumberOfPoints(n)
+    for i in range(n):
+        cell.GetPointIds().SetId(i, i)
+    weights, triangles = [], []
+    for f in range(cell.GetNumberOfFaces()):
+        face = cell.GetFace(f)
+        ids = [face.GetPointIds().GetId(j) for j in range(face.GetNumberOfPoints())]
+        if face.GetCellType() == 8:          # a pixel: its vertices are not in cyclic order
+            ids = [ids[0], ids[1], ids[3], ids[2]]
+        if len(ids) == 3:
+            triangles.append(ids)
+            continue
+        weights.append(np.bincount(ids, minlength=n) / len(ids))
+        centre = n + len(weights) - 1
+        triangles += [[ids[i], ids[(i + 1) % len(ids)], centre] for i in range(len(ids))]
+    reference = np.asarray(cell.GetParametricCoords()).reshape(n, 3)
+    table = FanTable(n, np.asarray(weights).reshape(-1, n), np.asarray(triangles))
+    signs = np.sign(_fan_volumes((reference - reference.mean(0))[..., None], table)[0])
+    if not (signs == signs[0, 0]).all():
+        return None
+    if signs[0, 0] < 0:
+        table = FanTable(n, table.face_weights, table.triangles[:, ::-1].copy())
+    through_apex = (table.triangles == 0).any(axis=1)
+    return FanTable(n, table.face_weights, table.triangles[~through_apex])
+
+
+def _fan_volumes(relative_n3C: np.ndarray, table: FanTable) -> tuple[np.ndarray, np.ndarray]:
+    """``det(p, q, r)`` (six signed volumes) of the tetrahedra (apex, fan triangle) ``[T, C]``
+    and their corner sums ``p + q + r`` ``[T, 3, C]``, from the vertices ``[n, 3, C]``
+    relative to the apex (cells last: every operation runs on contiguous rows)."""
+    extended = np.concatenate([relative_n3C, np.tensordot(table.face_weights, relative_n3C,
+                                                          1)])
+    p, q, r = (extended[table.triangles[:, j]] for j in range(3))   # [T, 3, C]
+    det = p[:, 0] * (q[:, 1] * r[:, 2] - q[:, 2] * r[:, 1])
+    det += p[:, 1] * (q[:, 2] * r[:, 0] - q[:, 0] * r[:, 2])
+    det += p[:, 2] * (q[:, 0] * r[:, 1] - q[:, 1] * r[:, 0])
+    p += q
+    p += r
+    return det, p
+
+
+def _fan_geometry(vertices_n3C: np.ndarray, table: FanTable) -> tuple[np.ndarray, np.ndarray]:
+    """Centres ``[C, 3]`` and volumes ``[C]`` of cells of one linear type from their
+    vertices ``[n, 3, C]``: the divergence theorem over the faces fanned about their
+    centres, as tetrahedra from vertex 0 (``V = sum_t det(p, q, r) / 6``, centre ``x_0 +
+    sum_t det_t (p + q + r) / (4 sum_t det_t)``); exact for planar faces whatever the apex,
+    and a cell numbered inside out gives the same centre and volume."""
+    apex = vertices_n3C[0].copy()
+    vertices_n3C -= apex
+    six_volumes, corner_sums = _fan_volumes(vertices_n3C, table)
+    six_volume = six_volumes.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        centre = apex + np.einsum("tc,tkc->kc", six_volumes, corner_sums) / (4 * six_volume)
+    return centre.T, np.abs(six_volume) / 6
+
+
+def triangulated_geometry(mesh, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Centres ``[len(ids), 3]`` and volumes of the cells ``ids`` of ``mesh`` split into
+    tetrahedra by VTK (``vtkDataSetTriangleFilter``): ``V = sum_t |det(b - a, c - a, d - a)|
+    / 6`` and the volume-weighted centroid of the tetrahedra."""
     from vtkmodules.vtkFiltersGeneral import vtkDataSetTriangleFilter
     from vtkmodules.util.numpy_support import numpy_to_vtk, vtk_to_numpy
     pv = require_pyvista()
-    grid = mesh.cast_to_unstructured_grid().copy(deep=False)
+    grid = _unstructured(mesh).copy(deep=False)
     grid.clear_data()
-    ids = numpy_to_vtk(np.arange(grid.n_cells, dtype=np.int64), deep=True)
-    ids.SetName("flarepp_cell")
-    grid.GetCellData().AddArray(ids)
+    grid = grid.extract_cells(ids) if len(ids) < grid.n_cells else grid
+    marks = numpy_to_vtk(np.arange(grid.n_cells, dtype=np.int64), deep=True)
+    marks.SetName("flarepp_cell")
+    grid.GetCellData().AddArray(marks)
     split = vtkDataSetTriangleFilter()
     split.SetInputData(grid)
     split.Update()
@@ -422,11 +578,8 @@ def _volume_geometry(mesh, points: np.ndarray, path: Path | str) -> CellGeometry
     volumes = np.bincount(owner, volume_T, n)
     centres = np.stack([np.bincount(owner, volume_T * v_T43[:, :, k].mean(1), n)
                         for k in range(3)], axis=1)
-    if not (volumes > 0).all():
-        bad = int(np.flatnonzero(~(volumes > 0))[0])
-        raise DataError(f"{path}: cell {bad} has zero volume (degenerate), "
-                        f"{int((~(volumes > 0)).sum())} such cell(s)")
-    return CellGeometry(3, centres / volumes[:, None], None, volumes)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return centres / volumes[:, None], volumes
 
 
 # ---------------------------------------------------------------------------------------------
