@@ -1,7 +1,9 @@
 """`flarepp infer --write-mesh`: predictions, targets and errors written back as arrays of
 each sample's source mesh (a converted store's VTU), or as a point cloud where the data has
-no mesh, each with a picture; and the command's refusals. The surface task's cars and
-``--geometry`` are checked in tests/test_surface_task.py's end-to-end test."""
+no mesh, each with a picture of the fields on that mesh (its cells, its surface, a cut-away
+of a volume: plots3d.plot_mesh_fields, which `flarepp plot` uses too); and the command's
+refusals. The surface task's cars and ``--geometry`` are checked in
+tests/test_surface_task.py's end-to-end test."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ pv = pytest.importorskip("pyvista")
 pytest.importorskip("skfem")
 
 import flarepp  # noqa: E402
+import matplotlib.colors as mcolors  # noqa: E402
+import matplotlib.image as mimage  # noqa: E402
 from flarepp.cli import main  # noqa: E402
 from flarepp.data import DataError  # noqa: E402
 from flarepp.inference.infer import Case, write_on_mesh  # noqa: E402
@@ -33,6 +37,14 @@ def store_run(tmp_path_factory):
     """A store converted from solver VTU files (the load as a condition) and a conditioned
     run on it: ``(cases, store, run)``."""
     return tiny_store_run(tmp_path_factory.mktemp("write-mesh"))
+
+
+def coloured_share(png) -> float:
+    """The share of a picture's pixels that are coloured (saturated and not dark: a
+    field's colour map, not white background, black text or grey): a scatter of a few
+    thousand points covers about 6%, a mesh's cells or rendered surface 18-40%."""
+    hsv = mcolors.rgb_to_hsv(mimage.imread(png)[..., :3])
+    return float(((hsv[..., 1] > 0.25) & (hsv[..., 2] > 0.15)).mean())
 
 
 @pytest.mark.slow
@@ -60,7 +72,12 @@ def test_store_predictions_land_on_their_source_vtu(store_run, tmp_path, capsys)
             np.testing.assert_array_equal(mesh.point_data["true_von_mises"], y[:, 0])
             np.testing.assert_allclose(mesh.point_data["error_von_mises"],
                                        pred[f"pred_{name}"][:, 0] - y[:, 0], atol=1e-6)
-            assert (out / f"{name}.png").stat().st_size > 10_000
+            assert coloured_share(out / f"{name}.png") > 0.12
+    with np.load(run / "test_predictions.npz") as stored:     # `flarepp plot` finds the meshes
+        assert [str(s) for s in stored["sources"]] == [
+            str((cases / f"{n}.vtu").resolve()) for n in test.names]
+    assert main(["plot", str(run)]) == 0
+    assert coloured_share(run / "case_0000_ch0.png") > 0.12
 
 
 @pytest.mark.slow
@@ -412,3 +429,81 @@ def test_a_run_that_stored_no_layout_reads_its_store_s(store_run, tmp_path, caps
     capsys.readouterr()
     assert main(["infer", str(old), "--mesh", str(mesh), "--out", str(tmp_path / "x.npz")]) == 2
     assert "stored no channel layout" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the pictures themselves
+
+def _hue_rises_to_the_left(png) -> bool:
+    """In the first panel (the left quarter of the figure: the reference, before its colour
+    bar), the coloured pixels left of their median column have a larger mean hue than
+    those right of it: viridis runs from purple (hue 0.75) to yellow (0.15), so a field
+    that grows to the right of the screen reads that way."""
+    image = mimage.imread(png)[..., :3]
+    panel = mcolors.rgb_to_hsv(image[:, : image.shape[1] // 4])
+    rows, cols = np.nonzero((panel[..., 1] > 0.25) & (panel[..., 2] > 0.15))
+    hue = panel[rows, cols, 0]
+    middle = np.median(cols)
+    return hue[cols < middle].mean() > hue[cols > middle].mean() + 0.1
+
+
+@pytest.mark.slow                 # VTK's off-screen check starts a process
+@pytest.mark.parametrize("association", ["cell", "point"])
+def test_a_volume_mesh_is_pictured_as_its_cut_away_surface(tmp_path, association):
+    """Hexahedra with a field ``x - y`` (which grows to the right of the fixed camera) at
+    their cells or points: the picture is VTK's rendering of the cut-away volume, coloured
+    over a large share of its pixels, the reference panel's colours running the field's
+    way across the screen. A failure points to values attached
+    to the wrong cells or points of the surface, or a scatter plot of centres again."""
+    from flarepp.bench.data import cell_type_mesh
+    from flarepp import plots3d
+    if plots3d.vtk_window_class() is None:
+        pytest.skip("VTK cannot render off-screen on this machine (EGL/OSMesa missing)")
+    mesh = cell_type_mesh("hexahedron", 4000)
+    where = np.asarray(mesh.points if association == "point" else mesh.cell_centers().points)
+    true = (where[:, 0] - where[:, 1])[:, None]
+    pred = np.concatenate([true * 1.1, true], axis=1)
+    path = plots3d.plot_mesh_fields(tmp_path / "hex.png", mesh, association, pred,
+                                    np.concatenate([true, true], axis=1), ["p", "q"], "Pa",
+                                    "hexahedra")
+    assert coloured_share(path) > 0.15
+    assert _hue_rises_to_the_left(path)
+
+
+def test_a_planar_mesh_is_pictured_by_its_cells_and_a_point_cloud_by_its_points(tmp_path):
+    """A triangulated plate (z = 0) with a field at its cells is drawn by its own triangles
+    (one flat colour per cell, covering the plate); the same values without a mesh (a
+    point cloud) fall back to the points. A failure points to the choice of picture."""
+    from flarepp import plots3d
+    from flarepp.data.meshes import point_cloud
+    plate = pv.Plane(i_resolution=30, j_resolution=20).triangulate()
+    centres = np.asarray(plate.cell_centers().points)
+    assert plots3d.mesh_kind(plate) == "flat"
+    true = (centres[:, 0] - centres[:, 1])[:, None]
+    path = plots3d.plot_mesh_fields(tmp_path / "plate.png", plate, "cell", 0.9 * true, true,
+                                    ["p"], "Pa", "plate")
+    assert coloured_share(path) > 0.2 and _hue_rises_to_the_left(path)
+    flat = plots3d.flat_mesh(plate, "cell")
+    assert len(flat.triangulation.triangles) == plate.n_cells
+    np.testing.assert_array_equal(flat.owner, np.arange(plate.n_cells))
+    cloud = point_cloud(centres)
+    assert plots3d.mesh_kind(cloud) == "points"
+    assert plots3d.plot_mesh_fields(tmp_path / "cloud.png", cloud, "point", true, None,
+                                    ["p"], "Pa", "cloud").is_file()
+
+
+def test_a_machine_that_cannot_render_says_what_to_install(tmp_path, monkeypatch):
+    """Where VTK cannot render off-screen, a volume's picture is its points, with a warning
+    naming the extra and the system libraries; ``backend="vtk"`` is an error saying so."""
+    from flarepp import plots3d
+    from flarepp.bench.data import cell_type_mesh
+    monkeypatch.setattr(plots3d, "vtk_window_class", lambda: None)
+    mesh = cell_type_mesh("tetra", 500)
+    values = np.asarray(mesh.points)[:, :1]
+    with pytest.warns(RuntimeWarning, match=r"flarepp\[surface\].*libosmesa6"):
+        path = plots3d.plot_mesh_fields(tmp_path / "tets.png", mesh, "point", values, values,
+                                        ["T"], "K", "tetrahedra")
+    assert path.is_file()
+    with pytest.raises(RuntimeError, match="cannot render off-screen"):
+        plots3d.plot_mesh_fields(tmp_path / "no.png", mesh, "point", values, values, ["T"],
+                                 "K", "tetrahedra", backend="vtk")

@@ -29,7 +29,21 @@ def _triangulation(xy: np.ndarray) -> mtri.Triangulation:
     return tri
 
 
-def _panel(ax, values, coords, grid_shape, mask, **kw):
+@dataclass(frozen=True)
+class FlatMesh:
+    """A planar mesh drawn by its own cells: ``triangulation`` of its polygons (fans, in
+    the mesh's two in-plane coordinates) and, for values at the cells, ``owner [T]``: the
+    cell of each triangle (None: values at the points, interpolated across triangles)."""
+
+    triangulation: mtri.Triangulation
+    owner: np.ndarray | None = None
+
+
+def _panel(ax, values, coords, grid_shape, mask, flat: FlatMesh | None = None, **kw):
+    if flat is not None:
+        if flat.owner is not None:
+            return ax.tripcolor(flat.triangulation, facecolors=values[flat.owner], **kw)
+        return ax.tripcolor(flat.triangulation, values, shading="gouraud", **kw)
     if grid_shape is not None:
         shape = tuple(int(s) for s in grid_shape)
         X, Y = coords[:, 0].reshape(shape), coords[:, 1].reshape(shape)
@@ -38,7 +52,7 @@ def _panel(ax, values, coords, grid_shape, mask, **kw):
     points, values = coords[keep], values[keep]
     extent = np.ptp(points, axis=0) if len(points) else np.zeros(points.shape[1])
     if points.shape[1] >= 3 and extent[2] > 0:
-        # 3-D: the view along the axis of least extent, nearest points drawn last
+        # 3-D points without a mesh: the view along the axis of least extent, nearest last
         depth = int(np.argmin(extent))
         u, v = (k for k in range(3) if k != depth)
         order = np.argsort(points[:, depth])
@@ -48,72 +62,65 @@ def _panel(ax, values, coords, grid_shape, mask, **kw):
     return ax.tripcolor(_triangulation(points[:, :2]), values, shading="gouraud", **kw)
 
 
-def _field_panels(fig, axes, ref, prd, coords, grid, mask, label: str) -> None:
-    """Reference, prediction and signed error (in % of the reference's RMS) of one channel
-    on ``axes`` (three of them; one, the prediction, when ``ref`` is None)."""
-    valid = np.ones(len(prd), bool) if mask is None else mask
+ERROR_LABEL = "error [% of reference RMS]"
+
+
+def field_panel_specs(ref: np.ndarray | None, prd: np.ndarray, valid: np.ndarray | None = None
+                      ) -> list[tuple[np.ndarray, str, dict]]:
+    """``(values, title, colour options)`` of the panels of one channel: reference,
+    prediction (colour limits the reference's 0.5th and 99.5th percentiles) and the signed
+    error ``100 (prediction - reference) / RMS(reference)`` (symmetric limits at its
+    99.5th percentile of magnitude), or the prediction alone without a reference."""
+    valid = np.ones(len(prd), bool) if valid is None else valid
     shown = prd if ref is None else ref
     lo, hi = np.percentile(shown[valid], [0.5, 99.5])
     panels = [(prd, "prediction", dict(cmap="viridis", vmin=lo, vmax=hi))]
-    if ref is not None:
-        rms = np.sqrt(np.mean(ref[valid] ** 2)) or 1.0
-        err = np.where(valid, 100.0 * (prd - ref) / rms, 0.0)
-        elim = np.percentile(np.abs(err[valid]), 99.5) or 1.0
-        panels = [(ref, "reference", panels[0][2]), panels[0],
-                  (err, "signed error", dict(cmap="RdBu_r", vmin=-elim, vmax=elim))]
-    for ax, (vals, title, kw) in zip(axes, panels):
-        art = _panel(ax, vals, coords, grid, mask, **kw)
+    if ref is None:
+        return panels
+    rms = np.sqrt(np.mean(ref[valid] ** 2)) or 1.0
+    err = np.where(valid, 100.0 * (prd - ref) / rms, 0.0)
+    elim = np.percentile(np.abs(err[valid]), 99.5) or 1.0
+    return [(ref, "reference", panels[0][2]), panels[0],
+            (err, "signed error", dict(cmap="RdBu_r", vmin=-elim, vmax=elim))]
+
+
+def field_panels(fig, axes, ref, prd, coords, grid, mask, label: str,
+                  flat: FlatMesh | None = None) -> None:
+    """Reference, prediction and signed error (in % of the reference's RMS) of one channel
+    on ``axes`` (three of them; one, the prediction, when ``ref`` is None)."""
+    for ax, (vals, title, kw) in zip(axes, field_panel_specs(ref, prd, mask)):
+        art = _panel(ax, vals, coords, grid, mask, flat, **kw)
         ax.set_title(title)
         ax.set_aspect("equal")
         ax.set_xticks([]), ax.set_yticks([])
-        fig.colorbar(art, ax=ax, shrink=0.85, label="error [% of reference RMS]"
-                     if title == "signed error" else label)
+        fig.colorbar(art, ax=ax, shrink=0.85,
+                     label=ERROR_LABEL if title == "signed error" else label)
+
+
+def channel_label(names: list[str], channel: int, units: str) -> str:
+    """``"name [units]"`` of output channel ``channel`` (``channel k`` when unnamed)."""
+    name = names[channel] if channel < len(names) else f"channel {channel}"
+    return f"{name} [{units}]" if units else name
 
 
 def plot_fields(path: str | Path, coords: np.ndarray, pred: np.ndarray,
-                true: np.ndarray | None, names: list[str], units: str, title: str) -> Path:
+                true: np.ndarray | None, names: list[str], units: str, title: str, *,
+                flat: FlatMesh | None = None) -> Path:
     """One figure of a sample's fields, a row per output channel (at most 4): reference,
-    prediction and signed error, or the prediction alone without a reference; 3-D points are
-    seen along their axis of least extent. Written to ``path``."""
+    prediction and signed error, or the prediction alone without a reference; on a planar
+    mesh's own cells (``flat``), else on the points (3-D points seen along their axis of
+    least extent). Written to ``path``."""
     rows = min(pred.shape[1], 4)
     cols = 1 if true is None else 3
     fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.6 * rows), squeeze=False,
                              constrained_layout=True)
     for ch in range(rows):
-        label = f"{names[ch] if ch < len(names) else f'channel {ch}'} [{units}]"
-        _field_panels(fig, axes[ch], None if true is None else true[:, ch], pred[:, ch],
-                      coords, None, None, label)
+        field_panels(fig, axes[ch], None if true is None else true[:, ch], pred[:, ch],
+                      coords, None, None, channel_label(names, ch, units), flat)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
-
-
-def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
-    """One figure per chosen test case (best, median, worst by relative L2) and channel,
-    in the run directory ``out_dir`` (:meth:`RunDir.case_figure`)."""
-    data = np.load(pred_path)
-    pred, true, coords, rel = data["pred"], data["true"], data["coords"], data["rel_l2"]
-    mask = data["mask"] if "mask" in data else None
-    grid = data["grid_shape"] if "grid_shape" in data else None
-    names = [str(n) for n in data["field_names"]]
-    units = str(data["units"])
-    order = np.argsort(rel)
-    picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})[:cases]
-    written = []
-    for case in picks:
-        m = None if mask is None else mask[case]
-        for ch in range(true.shape[-1]):
-            fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
-            label = f"{names[ch] if ch < len(names) else f'channel {ch}'} [{units}]"
-            _field_panels(fig, axes, true[case, :, ch], pred[case, :, ch], coords[case], grid,
-                          m, label)
-            fig.suptitle(f"test case {case}: relative L2 = {100 * rel[case]:.2f}%")
-            path = RunDir(out_dir).case_figure(case, ch)
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
-    return written
 
 
 @dataclass(frozen=True)
@@ -178,19 +185,7 @@ def plot_curves(run_dir: str | Path, panels: list[Panel]) -> Path:
     return path
 
 
-def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> list[Path]:
-    """The figures of a fields run: ``cases`` test cases (truth, prediction, error) and its
-    training curves."""
-    run = RunDir(run_dir)
-    pred = run.predictions("test")
-    if not pred.is_file():
-        raise FileNotFoundError(f"{str(pred)!r} not found: is {str(run_dir)!r} a finished "
-                                "flarepp run directory?")
-    written = plot_cases(pred, run.path, cases)
-    if run.has_log():
-        written.append(plot_curves(run.path, panels))
-    return written
-
-
-__all__ = ["Panel", "Series", "plot_cases", "plot_curves", "plot_field_run", "plot_fields",
+__all__ = ["ERROR_LABEL", "FlatMesh", "Panel", "Series", "channel_label", "field_panel_specs",
+           "field_panels",
+           "plot_curves", "plot_fields",
            "weight_series"]

@@ -1,6 +1,16 @@
-"""Car-surface pictures like the paper's Figures 13-14, rendered without a display.
+"""Pictures on meshes, rendered without a display: car surfaces like the paper's Figures
+13-14, and any sample's fields on its own mesh.
 
-One figure per quantity, the kinematic surface pressure ``p_s = p / rho`` and the kinematic
+**Fields on a mesh** (:func:`plot_mesh_fields`; ``flarepp infer --write-mesh`` and a fields
+run's case figures, :func:`plot_cases`, draw through it): a row per channel of reference,
+prediction and signed error in % of the reference RMS (the panels of
+:func:`flarepp.plots.field_panel_specs`), on what the mesh is (:func:`mesh_kind`): a planar
+mesh by its own cells (matplotlib), a surface as its polygons and a volume mesh as a
+cut-away of its boundary (:func:`mesh_surface`: the octant facing the camera clipped off,
+so the inside shows on three cut planes), both rendered off-screen by VTK with more ambient
+light than the cars (a face's colour reads as its value), a point cloud by its points.
+
+**Car surfaces**: one figure per quantity, the kinematic surface pressure ``p_s = p / rho`` and the kinematic
 wall-shear magnitude ``tau = |tau_w| / rho`` (m^2/s^2): top row the reference and each model's
 prediction, bottom row the magnitude of each model's pointwise error in percent of the
 reference's RMS over the cells visible from the camera (so the RMS of an error panel over the
@@ -26,6 +36,7 @@ may abort a process, so it is not tried in this one), else matplotlib, and says 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -38,9 +49,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.tri as mtri  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import Normalize  # noqa: E402
 
+from flarepp.data.meshes import cell_arrays, cell_type_dimension, read_mesh  # noqa: E402
+from flarepp.plots import (ERROR_LABEL, FlatMesh, Panel, Series, channel_label,  # noqa: E402
+                           field_panel_specs, field_panels, plot_curves, plot_fields,
+                           weight_series)
 from flarepp.storage.rundir import RunDir  # noqa: E402
 from flarepp.data.drivaerml import (CHUNK_CELLS, SurfacePolygons,  # noqa: E402
                                     polygon_centres_and_normals, read_vtp)
@@ -119,10 +135,11 @@ sys.exit(0 if (image < 250).any() else 3)
 """
 
 
+@functools.lru_cache(maxsize=1)
 def vtk_window_class() -> str | None:
     """Name of a VTK render-window class that renders off-screen here, or None: each
     candidate is tried in a child process (X only when ``DISPLAY`` is set, then EGL, then
-    OSMesa)."""
+    OSMesa), once per process."""
     try:
         import vtkmodules.vtkRenderingOpenGL2  # noqa: F401
     except ModuleNotFoundError:
@@ -140,6 +157,11 @@ def vtk_window_class() -> str | None:
     return None
 
 
+VTK_RENDER_HINT = ("VTK cannot render off-screen here (no vtk package, or no EGL/OSMesa: "
+                   "pip install 'flarepp[surface]'; apt-get install libegl1 libegl-mesa0 or "
+                   "libosmesa6)")
+
+
 def resolve_backend(backend: str = "auto") -> tuple[str, str | None]:
     """``(backend, vtk window class)``; ``"vtk"`` raises when VTK cannot render here."""
     if backend not in BACKENDS:
@@ -149,12 +171,9 @@ def resolve_backend(backend: str = "auto") -> tuple[str, str | None]:
     window = vtk_window_class()
     if window is not None:
         return "vtk", window
-    message = ("VTK cannot render off-screen here (no vtk package, or no EGL/OSMesa: "
-               "pip install 'flarepp[surface]'; apt-get install libegl1 libegl-mesa0 or "
-               "libosmesa6)")
     if backend == "vtk":
-        raise RuntimeError(message)
-    warnings.warn(f"{message}; falling back to matplotlib", RuntimeWarning, stacklevel=2)
+        raise RuntimeError(VTK_RENDER_HINT)
+    warnings.warn(f"{VTK_RENDER_HINT}; falling back to matplotlib", RuntimeWarning, stacklevel=2)
     return "matplotlib", None
 
 
@@ -173,9 +192,11 @@ def _camera_frame(points_P3: np.ndarray):
 
 
 class _VTKRenderer:
-    """Renders one surface under a fixed camera, once per coloured panel."""
+    """Renders one surface under a fixed camera, once per coloured panel, coloured by
+    values at its cells or (``association="point"``) at its points."""
 
-    def __init__(self, surface: SurfacePolygons, window_class: str, size=PANEL_SIZE):
+    def __init__(self, surface: SurfacePolygons, window_class: str, size=PANEL_SIZE, *,
+                 association: str = "cell", lighting: tuple[float, float] = (AMBIENT, DIFFUSE)):
         from vtkmodules import vtkRenderingOpenGL2 as gl
         from vtkmodules.util.numpy_support import numpy_to_vtk, vtk_to_numpy
         from vtkmodules.vtkCommonCore import vtkLookupTable, vtkPoints
@@ -194,15 +215,20 @@ class _VTKRenderer:
         self.lut = vtkLookupTable()
         self.mapper = vtkPolyDataMapper()
         self.mapper.SetInputData(self.polydata)
-        self.mapper.SetScalarModeToUseCellData()
+        self.association = association
+        if association == "point":
+            self.mapper.SetScalarModeToUsePointData()
+            self.mapper.InterpolateScalarsBeforeMappingOn()
+        else:
+            self.mapper.SetScalarModeToUseCellData()
         self.mapper.SetLookupTable(self.lut)
         self.mapper.UseLookupTableScalarRangeOn()
         actor = vtkActor()
         actor.SetMapper(self.mapper)
         prop = actor.GetProperty()
         prop.SetInterpolationToFlat()
-        prop.SetAmbient(AMBIENT)
-        prop.SetDiffuse(DIFFUSE)
+        prop.SetAmbient(lighting[0])
+        prop.SetDiffuse(lighting[1])
         prop.SetSpecular(0.0)
         self.renderer = vtkRenderer()
         self.renderer.AddActor(actor)
@@ -238,7 +264,9 @@ class _VTKRenderer:
         from vtkmodules.vtkCommonDataModel import vtkPolyData
         from vtkmodules.vtkRenderingCore import vtkSelectVisiblePoints
         if not self.rendered:
-            self.render(np.zeros(self.polydata.GetNumberOfCells()), "viridis", (0.0, 1.0))
+            count = (self.polydata.GetNumberOfPoints() if self.association == "point"
+                     else self.polydata.GetNumberOfCells())
+            self.render(np.zeros(count), "viridis", (0.0, 1.0))
         cloud = vtkPolyData()
         points = vtkPoints()
         points.SetData(self._numpy_to_vtk(np.ascontiguousarray(centres_N3, np.float64),
@@ -270,7 +298,8 @@ class _VTKRenderer:
         self.lut.SetNanColor(*NO_DATA_GREY, 1.0)
         scalars = self._numpy_to_vtk(np.ascontiguousarray(values_N, np.float64), deep=True)
         scalars.SetName("shown")
-        self.polydata.GetCellData().SetScalars(scalars)
+        (self.polydata.GetPointData() if self.association == "point"
+         else self.polydata.GetCellData()).SetScalars(scalars)
         self.polydata.Modified()
         self.window.Render()
         self.rendered = True
@@ -475,6 +504,226 @@ def plot_surface_cases(surfaces: Sequence, truths: Sequence[np.ndarray],
 
 
 # ---------------------------------------------------------------------------------------------
+# fields on a solver's mesh
+
+MESH_LIGHTING = (0.65, 0.35)
+"""Ambient and diffuse light of mesh pictures: more ambient than the cars', so a face's
+colour stays readable as its field value whatever way it faces."""
+
+
+def mesh_kind(mesh) -> str:
+    """How a mesh is pictured: ``"points"`` (no cells of 2 or 3 dimensions: a point cloud),
+    ``"flat"`` (2-D cells in a coordinate plane: drawn by matplotlib), ``"surface"`` (2-D
+    cells in space) or ``"solid"`` (3-D cells: a cut-away of its boundary)."""
+    dimension = max((cell_type_dimension(int(t)) for t in mesh.distinct_cell_types),
+                    default=0)
+    if dimension < 2:
+        return "points"
+    if dimension == 3:
+        return "solid"
+    extent = np.ptp(np.asarray(mesh.points), axis=0)
+    return "flat" if (extent == 0).any() else "surface"
+
+
+def _cut_away(mesh):
+    """``mesh`` without the octant of its bounding box nearest the camera (clipped, not
+    whole cells removed): the boundary shows on the far sides, the inside on the three cut
+    planes."""
+    lo, hi = np.asarray(mesh.bounds[0::2]), np.asarray(mesh.bounds[1::2])
+    middle, margin = (lo + hi) / 2, np.ptp(np.stack([lo, hi]), axis=0) + 1.0
+    near = np.sign(VIEW_DIRECTION)
+    box = np.ravel([(middle[k], hi[k] + margin[k]) if near[k] > 0 else
+                    (lo[k] - margin[k], middle[k]) for k in range(3)])
+    return mesh.clip_box(box, invert=True, crinkle=False)
+
+
+def mesh_surface(mesh, association: str, arrays: Mapping[str, np.ndarray]
+                 ) -> tuple[SurfacePolygons, dict[str, np.ndarray]]:
+    """The polygons a picture of ``mesh`` shows (its surface; of 3-D cells the boundary of
+    :func:`_cut_away`) and each of ``arrays`` (``[P]`` or ``[C]`` at ``association``)
+    carried onto them: cell values copied to the pieces of cut cells, point values
+    interpolated at the cut."""
+    shown = mesh.copy(deep=False)
+    shown.clear_data()
+    target = shown.point_data if association == "point" else shown.cell_data
+    for name, values in arrays.items():
+        target[name] = np.ascontiguousarray(values, np.float64)
+    if mesh_kind(mesh) == "solid":
+        shown = _cut_away(shown)
+    surface = shown.extract_surface(algorithm="dataset_surface").triangulate()
+    types, offsets, connectivity = cell_arrays(surface)
+    polygons = SurfacePolygons(np.asarray(surface.points, np.float64), offsets,
+                               connectivity, {})
+    data = surface.point_data if association == "point" else surface.cell_data
+    return polygons, {name: np.asarray(data[name]) for name in arrays}
+
+
+def flat_mesh(mesh, association: str) -> FlatMesh:
+    """The :class:`~flarepp.plots.FlatMesh` of a planar mesh: its polygons as fans of
+    triangles in its two in-plane coordinates (cells of fewer than 3 points left out)."""
+    _, offsets, connectivity = cell_arrays(mesh)
+    sizes = np.diff(offsets)
+    triangles, owner = [], []
+    for k in np.unique(sizes[sizes >= 3]):
+        cells = np.flatnonzero(sizes == k)
+        fan = np.stack([np.zeros(k - 2, int), np.arange(1, k - 1), np.arange(2, k)], axis=1)
+        triangles.append(connectivity[offsets[cells, None, None] + fan].reshape(-1, 3))
+        owner.append(np.repeat(cells, k - 2))
+    points = np.asarray(mesh.points, np.float64)
+    plane = [k for k in range(3) if np.ptp(points[:, k]) > 0][:2]
+    triangulation = mtri.Triangulation(points[:, plane[0]], points[:, plane[1]],
+                                       np.concatenate(triangles))
+    return FlatMesh(triangulation, np.concatenate(owner) if association == "cell" else None)
+
+
+def plot_mesh_fields(path: str | Path, mesh, association: str, pred_NO: np.ndarray,
+                     true_NO: np.ndarray | None, names: list[str], units: str, title: str,
+                     *, backend: str = "auto") -> Path:
+    """One picture of a sample's fields on its own mesh, a row per output channel (at most
+    4): reference, prediction and signed error in % of the reference RMS
+    (:func:`~flarepp.plots.field_panel_specs`), or the prediction alone. ``pred`` and
+    ``true`` hold one row per point or cell of ``mesh`` (``association``). As
+    :func:`mesh_kind` says: a planar mesh by its cells (matplotlib), a surface or a solid's
+    cut-away rendered off-screen by VTK (:func:`mesh_surface`), a point cloud by its
+    points; when VTK cannot render here (``backend="auto"``), the points, with a warning
+    naming what to install. Written to ``path``."""
+    kind = mesh_kind(mesh)
+    rows = min(pred_NO.shape[1], 4)
+    if kind == "flat":
+        return plot_fields(path, None, pred_NO, true_NO, names, units, title,
+                           flat=flat_mesh(mesh, association))
+    window = None if kind == "points" else _mesh_window(backend)
+    if window is None:
+        centres = (np.asarray(mesh.points) if association == "point"
+                   else np.asarray(mesh.cell_centers().points))
+        return plot_fields(path, centres, pred_NO, true_NO, names, units, title)
+    specs = [field_panel_specs(None if true_NO is None else true_NO[:, ch], pred_NO[:, ch])
+             for ch in range(rows)]
+    surface, shown = mesh_surface(mesh, association, {
+        f"{ch}:{k}": values for ch, panels in enumerate(specs)
+        for k, (values, _, _) in enumerate(panels)})
+    renderer = _VTKRenderer(surface, window, association=association, lighting=MESH_LIGHTING)
+    images = [[renderer.render(shown[f"{ch}:{k}"], kw["cmap"], (kw["vmin"], kw["vmax"]))
+               for k, (_, _, kw) in enumerate(panels)] for ch, panels in enumerate(specs)]
+    what = "cut-away of the volume" if kind == "solid" else "surface"
+    return _compose_fields(Path(path), specs, images, [channel_label(names, ch, units)
+                                                       for ch in range(rows)],
+                           f"{title}\n({what}, {surface.n_cells:,} polygons drawn)")
+
+
+def _mesh_window(backend: str) -> str | None:
+    """The VTK window class a mesh picture renders with: None for ``"matplotlib"``, and
+    for ``"auto"`` where VTK cannot render (with a warning naming what to install)."""
+    if backend == "matplotlib":
+        return None
+    if backend == "vtk":
+        return resolve_backend("vtk")[1]
+    window = vtk_window_class()
+    if window is None:
+        warnings.warn(f"{VTK_RENDER_HINT}; the mesh picture shows its points, not its surface",
+                      RuntimeWarning, stacklevel=3)
+    return window
+
+
+def _compose_fields(path: Path, specs, images, labels: list[str], caption: str) -> Path:
+    """The rendered panels ``images[row][col]`` in one figure, each with its colour bar."""
+    cropped = _crop([image for row in images for image in row])
+    height, width = cropped[0].shape[:2]
+    cols = max(len(row) for row in images)
+    fig, axes = plt.subplots(len(images), cols, squeeze=False, layout="constrained",
+                             figsize=(4.2 * cols + 0.8, len(images) * (4.2 * height / width
+                                                                       + 0.5) + 0.5))
+    panels = iter(cropped)
+    for row, (panel_specs, label) in enumerate(zip(specs, labels)):
+        for ax, (_, title, kw) in zip(axes[row], panel_specs):
+            ax.imshow(next(panels))
+            ax.set_title(title, fontsize=10)
+            fig.colorbar(plt.cm.ScalarMappable(Normalize(kw["vmin"], kw["vmax"]), kw["cmap"]),
+                         ax=ax, shrink=0.8,
+                         label=ERROR_LABEL if title == "signed error" else label)
+    for ax in axes.flat:
+        ax.set_axis_off()
+    fig.suptitle(caption, fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# a fields run's figures
+
+def plot_cases(pred_path: Path, out_dir: Path, cases: int = 3) -> list[Path]:
+    """One figure per chosen test case (best, median, worst by relative L2) and channel,
+    in the run directory ``out_dir`` (:meth:`RunDir.case_figure`): on the case's source
+    mesh where the predictions name one that is still there (``sources``, e.g. a converted
+    store's files: :func:`plot_mesh_fields`, the mesh read once per case),
+    else on its points."""
+    data = np.load(pred_path)
+    pred, true, coords, rel = data["pred"], data["true"], data["coords"], data["rel_l2"]
+    mask = data["mask"] if "mask" in data else None
+    grid = data["grid_shape"] if "grid_shape" in data else None
+    names = [str(n) for n in data["field_names"]]
+    units = str(data["units"])
+    sources = [str(s) for s in data["sources"]] if "sources" in data else None
+    association = str(data["association"]) if "association" in data else "point"
+    order = np.argsort(rel)
+    picks = sorted({int(order[0]), int(order[len(order) // 2]), int(order[-1])})[:cases]
+    written = []
+    for case in picks:
+        m = None if mask is None else mask[case]
+        real = slice(None) if m is None else m
+        title = f"test case {case}: relative L2 = {100 * rel[case]:.2f}%"
+        mesh = None if sources is None else _case_mesh(sources[case], len(pred[case][real]),
+                                                       association)
+        for ch in range(true.shape[-1]):
+            path = RunDir(out_dir).case_figure(case, ch)
+            written.append(path)
+            if mesh is not None:
+                plot_mesh_fields(path, mesh, association, pred[case][real][:, ch:ch + 1],
+                                 true[case][real][:, ch:ch + 1],
+                                 names[ch:ch + 1] or [f"channel {ch}"], units, title)
+                continue
+            fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+            field_panels(fig, axes, true[case, :, ch], pred[case, :, ch], coords[case], grid,
+                          m, channel_label(names, ch, units))
+            fig.suptitle(title)
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+    return written
+
+
+def _case_mesh(source: str, rows: int, association: str):
+    """The mesh file ``source`` a case's ``rows`` predictions are the points or cells of,
+    read; None (with a warning saying so) when it is gone or no longer has that many."""
+    if not source or not Path(source).is_file():
+        if source:
+            warnings.warn(f"{source}: the source mesh is gone; the case is drawn on its points",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    mesh = read_mesh(source)
+    if (mesh.n_points if association == "point" else mesh.n_cells) != rows:
+        warnings.warn(f"{source}: has not the {rows} {association}s predicted (changed after "
+                      "conversion?); the case is drawn on its points", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return mesh
+
+
+def plot_field_run(run_dir: str | Path, panels: list[Panel], cases: int = 3) -> list[Path]:
+    """The figures of a fields run: ``cases`` test cases (truth, prediction, error) and its
+    training curves."""
+    run = RunDir(run_dir)
+    pred = run.predictions("test")
+    if not pred.is_file():
+        raise FileNotFoundError(f"{str(pred)!r} not found: is {str(run_dir)!r} a finished "
+                                "flarepp run directory?")
+    written = plot_cases(pred, run.path, cases)
+    if run.has_log():
+        written.append(plot_curves(run.path, panels))
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
 # a surface run's figures
 
 CASE_FILE = RunDir.SURFACE_CASE
@@ -518,7 +767,6 @@ def plot_surface_curves(run_dir: Path) -> Path:
     """``curves.png``: training loss (subsets, live weights) and the scored split's error
     (every cell, raw and EMA weights) against epoch, both 100 x MSE of standardised
     channels."""
-    from flarepp.plots import Panel, Series, plot_curves, weight_series
     return plot_curves(run_dir, [Panel("normalised MSE x 100 [%]", (
         Series("train_loss", "training loss (cell subsets, live weights)"),
         *weight_series("test_nmse", "test, every cell")))])

@@ -330,7 +330,8 @@ POLYGON_TYPES = {5: None, 7: None, 9: None, 8: np.array([0, 1, 3, 2])}
 turned into a polygon's)."""
 
 
-def _cell_dimension(cell_type: int) -> int:
+def cell_type_dimension(cell_type: int) -> int:
+    """The dimension (0-3) of the cells of a VTK cell type."""
     from vtkmodules import vtkCommonDataModel as dm
     utilities = getattr(dm, "vtkCellTypeUtilities", None) or dm.vtkCellTypes
     return int(utilities.GetDimension(int(cell_type)))
@@ -368,7 +369,7 @@ def cell_dimension(mesh, path: Path | str) -> int:
     dims: dict[int, int] = {}
     counts = np.bincount(types)
     for t in np.flatnonzero(counts):
-        dims[_cell_dimension(t)] = dims.get(_cell_dimension(t), 0) + int(counts[t])
+        dims[cell_type_dimension(t)] = dims.get(cell_type_dimension(t), 0) + int(counts[t])
     if len(dims) > 1:
         shown = ", ".join(f"{n} of dimension {d}" for d, n in sorted(dims.items()))
         raise DataError(f"{path}: its cells have several dimensions ({shown}); data at cells "
@@ -677,6 +678,7 @@ def _vtk_write(mesh, path: Path, target: Path) -> None:
                       str(target))
 
 
-__all__ = ["CellGeometry", "MESH_FORMATS", "MeshFormat", "cell_dimension", "cell_geometry",
-           "format_of", "known_suffixes", "mesh_suffix", "point_cloud", "read_mesh",
-           "register_format", "write_fields", "written_bytes"]
+__all__ = ["CellGeometry", "FanTable", "MESH_FORMATS", "MeshFormat", "cell_dimension",
+           "cell_geometry", "cell_type_dimension", "fan_table", "format_of", "known_suffixes",
+           "mesh_suffix", "point_cloud", "read_mesh", "register_format", "write_fields",
+           "written_bytes"]

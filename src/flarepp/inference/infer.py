@@ -25,7 +25,9 @@ scale are left out with a warning (no error is computed against them).
 prediction ``pred_<field>``, and with targets ``true_<field>`` and ``error_<field>`` (pred -
 true), as point or cell arrays of its source mesh (a store's sample remembers its file,
 which must still be the file it converted; a car its ``.vtp``; a new mesh its file),
-written as ``DIR/<name>.vtu`` or ``.vtp`` beside a picture ``DIR/<name>.png``, ``<name>``
+written as ``DIR/<name>.vtu`` or ``.vtp`` beside a picture ``DIR/<name>.png`` of the
+fields on that mesh (a planar mesh's cells, a surface or a cut-away of a volume:
+:func:`~flarepp.plots3d.plot_mesh_fields`), ``<name>``
 the case's name as a relative path (``test/Re.1e5`` is ``DIR/test/Re.1e5.vtu``: distinct
 names give distinct files, :func:`flarepp.io.confined` keeps them in ``DIR``); samples
 without a source mesh (generated or ``.npz`` data) become point clouds (``.vtp``) at their
@@ -54,7 +56,7 @@ from flarepp.data.store import StoreSamples
 from flarepp.device import peak_host_memory
 from flarepp.inference.predictor import Predictor, PredictorError
 from flarepp.io import atomic_write, confined
-from flarepp.plots import plot_fields
+from flarepp.plots3d import plot_mesh_fields
 from flarepp.storage.locks import file_safe
 from flarepp.tasks import TASKS
 from flarepp.tasks.surface import METRIC_SCALE, integrated_forces
@@ -462,8 +464,8 @@ def write_on_mesh(out_dir: str | Path, results: Iterable[dict[str, Any]],
             path = write_fields(mesh, arrays, association, target.with_name(target.stem),
                                 where=case.source or stem)
             error = "" if "rel_l2" not in r else f": relative L2 {100 * r['rel_l2'][s]:.2f}%"
-            _picture(picture, lambda named: plot_fields(
-                named, centres, p, t, list(fields), layout.units if layout else "",
+            _picture(picture, lambda named: plot_mesh_fields(
+                named, mesh, association, p, t, list(fields), layout.units if layout else "",
                 f"{stem}{error}"))
             written += [path, picture]
         yield {**r, "meshes": written}

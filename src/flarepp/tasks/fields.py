@@ -288,6 +288,19 @@ def input_normalizer(stats: ChannelStatistics, rules: list[str]) -> Normalizer:
     return Normalizer(shift, scale)
 
 
+def _source_meshes(samples: Any) -> dict[str, np.ndarray]:
+    """``sources`` (each sample's source mesh file, "" where it has none) and the store's
+    ``association``, for pictures on the meshes (:func:`flarepp.plots3d.plot_cases`); empty
+    for samples that do not come from mesh files."""
+    source_of = getattr(samples, "source_of", None)
+    if source_of is None:
+        return {}
+    files = [source_of(i) for i in range(len(samples))]
+    files = [(f.get("case") if isinstance(f, dict) else f) or "" for f in files]
+    return {"sources": np.asarray(files), "association":
+            np.asarray(samples.store.layout.association)}
+
+
 @TASKS.register("fields", doc="PDE fields on meshes: relative L2 (or MSE) loss and metric")
 class FieldTask(Task):
     """Regression of output fields at the points of a mesh from inputs at those points."""
@@ -669,11 +682,13 @@ class FieldTask(Task):
                   "field_names": np.asarray(self.splits.field_names),
                   "units": np.asarray(self.splits.units)}
         arrays.update({k: padded[k] for k in ("mask", "grid_shape") if k in padded})
+        arrays.update(_source_meshes(self.samples(split)))
         return [atomic_write_npz(RunDir(out_dir).predictions(split), arrays, compressed=True)]
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_field_run, weight_series
+        from flarepp.plots import Panel, Series, weight_series
+        from flarepp.plots3d import plot_field_run
         run = RunDir(out_dir)
         # as stored: an unversioned config trained the legacy protocol (MSE)
         loss = run.read_config().loss if run.config_path.is_file() else "mse"
