@@ -10,7 +10,9 @@ Shape letters: N tokens, K chunk size, C channels.
   every variant alike). Reported per round: wall and CPU time, peak memory and minor page
   faults; the ratio of each variant's time to the unchunked time of the first precision in
   the same round, and its median over the rounds.
-* :func:`stream_large`: one streamed forward of a mesh too large for the unchunked one.
+* :func:`stream_large`: one streamed forward of a mesh too large for the unchunked one;
+  :func:`stream_placements`: those forwards with the hidden state in memory and in a
+  memory-mapped file (in core against out of core), in interleaved rounds.
 * :func:`stream_exactness`: ``max |y_stream - y|`` against the unchunked forward.
 
 Every measurement runs in a fresh interpreter (:mod:`flarepp.bench.fresh`) that first warms the
@@ -62,24 +64,38 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         if chunk_size is None:
             return model(x_BNI.to(device)).cpu()
         return stream_forward(model, x_BNI, chunk_size=chunk_size, device=device,
-                              hidden_on=job.get("hidden_on", "auto"), progress=progress)
+                              hidden_on=job.get("hidden_on", "auto"),
+                              memmap_dir=job.get("memmap_dir"), progress=progress)
 
     precision = job.get("precision", "fp32")
     with torch.no_grad(), autocast(precision, device):
         forward(x[:, :WARMUP_TOKENS])
         load_before = os.getloadavg()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        usage, io = resource.getrusage(resource.RUSAGE_SELF), _io_bytes()
         with PeakMemory(device) as peak:
             start, cpu_start = time.perf_counter(), time.process_time()
             y = forward(x, job.get("progress", False))
             synchronize(device)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "precision": precision,
-            "time_s": wall,
+            "hidden_on": job.get("hidden_on", "auto"), "time_s": wall,
             "cpu_time_s": cpu, "peak_bytes": peak.peak, "mem_method": peak.method,
-            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - usage.ru_minflt,
+            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - usage.ru_majflt,
+            **{f"disk_{k}": v - io[k] for k, v in _io_bytes().items()},
             "output_bytes": y.numel() * y.element_size(), "threads": torch.get_num_threads(),
             "device": str(device), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def _io_bytes() -> dict[str, int]:
+    """Bytes this process has had read from and written to storage (``/proc/self/io``:
+    page-cache misses and write-back, not reads the cache served); {} off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+    except OSError:
+        return {}
+    return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
 
 
 def _exactness(job: dict[str, Any]) -> dict[str, Any]:
@@ -172,13 +188,43 @@ def stream_vs_unchunked(settings: dict[str, Any], n_tokens: int, chunk_sizes: li
 def stream_large(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,
                  threads: int | None = None, device: str = "auto", hidden_on: str = "auto",
                  retain_memory: bool = True, progress: bool = True, precision: str = "fp32",
-                 timeout_s: float = 4 * 3600) -> dict[str, Any]:
+                 memmap_dir: str | None = None, timeout_s: float = 4 * 3600) -> dict[str, Any]:
     """One streamed forward on ``n_tokens`` random tokens: time and peak memory."""
     job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
            "chunk_size": chunk_size, "threads": threads, "device": device,
-           "hidden_on": hidden_on, "progress": progress, "precision": precision}
+           "hidden_on": hidden_on, "progress": progress, "precision": precision,
+           "memmap_dir": memmap_dir}
     record = _in_fresh_interpreter(job, retain_memory=retain_memory, timeout_s=timeout_s)
-    return {**record, "hidden_bytes": n_tokens * settings["dim"] * 4}
+    width = 2 if precision in ("bf16", "fp16") else 4
+    return {**record, "hidden_bytes": n_tokens * settings["dim"] * width}
+
+
+def stream_placements(settings: dict[str, Any], n_tokens: int, chunk_size: int,
+                      placements: list[str], *, rounds: int = 3,
+                      on_record: Callable[[dict[str, Any]], None] | None = None,
+                      **options: Any) -> dict[str, Any]:
+    """:func:`stream_large` with the hidden state at each of ``placements`` (e.g. ``host``
+    against ``memmap``: in core against out of core), in interleaved rounds (the first
+    placement leads in even rounds, the order turns in odd ones); per placement the median
+    time, and the median over rounds of its time over the first placement's."""
+    records = []
+    for r in range(rounds):
+        for hidden_on in (placements if r % 2 == 0 else placements[::-1]):
+            records.append({"round": r, **stream_large(settings, n_tokens, chunk_size,
+                                                       hidden_on=hidden_on, progress=False,
+                                                       **options)})
+            if on_record is not None:
+                on_record(records[-1])
+    time_of = {(rec["round"], rec["hidden_on"]): rec["time_s"] for rec in records}
+    summary = [{"hidden_on": h,
+                "time_s": statistics.median(time_of[(r, h)] for r in range(rounds)),
+                "ratios": [time_of[(r, h)] / time_of[(r, placements[0])] for r in range(rounds)]}
+               for h in placements]
+    for row in summary:
+        row["ratio"] = statistics.median(row["ratios"])
+        row["us_per_token"] = 1e6 * row["time_s"] / n_tokens
+    return {"records": records, "summary": summary, "n_tokens": n_tokens,
+            "hidden_bytes": records[0]["hidden_bytes"]}
 
 
 def stream_exactness(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,

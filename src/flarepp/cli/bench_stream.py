@@ -79,10 +79,13 @@ def _bench_stream(args: argparse.Namespace) -> int:
               f"(max |y| = {rec['max_abs_output']:.3e}); against the float64 streamed "
               f"forward: streamed {rec['streamed_vs_float64']:.3e}, unchunked "
               f"{rec['unchunked_vs_float64']:.3e}")
-    if args.large_n:
+    if args.large_n and len(args.hidden_on) > 1:
+        result["placements"] = _placements(streaming, settings, args, common)
+    elif args.large_n:
         rec = streaming.stream_large(settings, args.large_n, args.chunk_size[0],
-                                     hidden_on=args.hidden_on, precision=args.precision[0],
-                                     **common)
+                                     hidden_on=args.hidden_on[0],
+                                     precision=args.precision[0],
+                                     memmap_dir=args.memmap_dir, **common)
         result["large"] = rec
         print(f"\nstreamed N={args.large_n} in chunks of {rec['chunk_size']}: "
               f"{rec['time_s']:.1f} s ({rec['cpu_time_s']:.1f} s CPU), peak "
@@ -95,6 +98,39 @@ def _bench_stream(args: argparse.Namespace) -> int:
         write_json(Path(args.json), result)
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _placements(streaming, settings: dict, args: argparse.Namespace, common: dict) -> dict:
+    """--large-n with several --hidden-on: each in interleaved rounds, times and ratios."""
+    def show(r):
+        print(f"  round {r['round']} hidden state {r['hidden_on']}: {r['time_s']:.1f} s "
+              f"({r['cpu_time_s']:.1f} s CPU), peak {_mib(r['peak_bytes']).strip()} MiB, "
+              f"{r['minor_faults']} minor / {r['major_faults']} major faults, disk read "
+              f"{_mib(r.get('disk_read_bytes', 0)).strip()} MiB, written "
+              f"{_mib(r.get('disk_write_bytes', 0)).strip()} MiB, load {r['load_before'][0]:.1f} -> "
+              f"{r['load_after'][0]:.1f}", flush=True)
+
+    out = streaming.stream_placements(settings, args.large_n, args.chunk_size[0],
+                                      args.hidden_on, rounds=args.rounds, on_record=show,
+                                      precision=args.precision[0],
+                                      memmap_dir=args.memmap_dir, **common)
+    print(f"\nN={args.large_n}, chunks of {args.chunk_size[0]}, {args.precision[0]}, hidden "
+          f"state {_mib(out['hidden_bytes']).strip()} MiB, {args.rounds} interleaved rounds")
+    for row in out["summary"]:
+        ratios = ", ".join(f"{r:.3f}" for r in row["ratios"])
+        print(f"  {row['hidden_on']:>7}: median {row['time_s']:.1f} s = "
+              f"{row['us_per_token']:.2f} us/token; time / {args.hidden_on[0]} "
+              f"{row['ratio']:.3f} ({ratios})")
+    return out
+
+
+def _placements_arg(text: str) -> list[str]:
+    from flarepp.distributed.streaming import HIDDEN_ON
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in HIDDEN_ON for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(HIDDEN_ON)}, "
+                                         f"got {text!r}")
+    return names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -120,8 +156,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-n", type=_size, default=None, help="tokens for the exactness check")
     p.add_argument("--large-n", type=_size, default=None,
                    help="tokens for one streamed forward alone (e.g. 8800000)")
-    p.add_argument("--hidden-on", choices=["auto", "device", "host", "memmap"], default="auto",
-                   help="where --large-n keeps the hidden state (default auto)")
+    p.add_argument("--hidden-on", type=_placements_arg, default=["auto"],
+                   help="where --large-n keeps the hidden state (auto, device, host, memmap; "
+                        "default auto); several, comma-separated (e.g. host,memmap: in core "
+                        "against out of core), are compared in --rounds interleaved rounds")
+    p.add_argument("--memmap-dir", default=None,
+                   help="directory of the memory-mapped hidden state (default the system's "
+                        "temporary directory)")
     p.add_argument("--precision", type=_precisions, default=("fp32",),
                    help="comma-separated: fp32, bf16 (autocast: BF16 products, FP32 "
                         "accumulation), fp16; --n times each (ratios against the first); "
