@@ -28,10 +28,12 @@ jobs may share the cores.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import statistics
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -68,7 +70,9 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
                               memmap_dir=job.get("memmap_dir"), progress=progress)
 
     precision = job.get("precision", "fp32")
-    with torch.no_grad(), autocast(precision, device):
+    limit = job.get("page_cache_bytes")
+    with torch.no_grad(), autocast(precision, device), (
+            page_cache_limit(limit) if limit else contextlib.nullcontext()):
         forward(x[:, :WARMUP_TOKENS])
         load_before = os.getloadavg()
         usage, io = resource.getrusage(resource.RUSAGE_SELF), _io_bytes()
@@ -78,13 +82,58 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
             synchronize(device)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "precision": precision,
-            "hidden_on": job.get("hidden_on", "auto"), "time_s": wall,
+            "hidden_on": job.get("hidden_on", "auto"), "page_cache_bytes": limit,
+            "time_s": wall,
             "cpu_time_s": cpu, "peak_bytes": peak.peak, "mem_method": peak.method,
             "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - usage.ru_minflt,
             "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - usage.ru_majflt,
             **{f"disk_{k}": v - io[k] for k, v in _io_bytes().items()},
             "output_bytes": y.numel() * y.element_size(), "threads": torch.get_num_threads(),
             "device": str(device), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+MADV_PAGEOUT = 21
+"""Linux >= 5.4 ``madvise``: reclaim a range's pages now (dirty ones written back first)."""
+
+
+@contextlib.contextmanager
+def page_cache_limit(limit_bytes: int):
+    """Within the block, a memory-mapped hidden state of :func:`~flarepp.distributed.
+    stream_forward` keeps at most ``limit_bytes`` resident, as a page cache of that size
+    with least-recently-used eviction would: every chunk loaded, stored or read ahead is
+    the most recent, and the least recent ones beyond the limit are paged out
+    (``MADV_PAGEOUT``; their dirty pages written back first, ``msync``, which the kernel's
+    flusher threads would mostly have done already: a pessimistic cost). It emulates a
+    state larger than the memory a machine can give it, on a machine that has the memory,
+    without taking it from other processes."""
+    from flarepp.distributed import streaming
+    cls, recent = streaming._HiddenState, OrderedDict()
+    methods = {name: getattr(cls, name) for name in ("load", "store", "prefetch")}
+
+    def touched(state, sl) -> None:
+        if state.mapping is None or sl is None:
+            return
+        recent.pop((sl.start, sl.stop), None)
+        recent[(sl.start, sl.stop)] = state.file_ranges(sl)
+        while sum(length for ranges in recent.values() for _, length in ranges) > limit_bytes:
+            for start, length in recent.popitem(last=False)[1]:
+                state.mapping.flush(start, length)      # dirty pages first written back
+                state.mapping.madvise(MADV_PAGEOUT, start, length)
+
+    def wrap(name):
+        def method(self, sl, *args):
+            out = methods[name](self, sl, *args)
+            touched(self, sl)
+            return out
+        return method
+
+    for name in methods:
+        setattr(cls, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, method in methods.items():
+            setattr(cls, name, method)
 
 
 def _io_bytes() -> dict[str, int]:
@@ -188,12 +237,14 @@ def stream_vs_unchunked(settings: dict[str, Any], n_tokens: int, chunk_sizes: li
 def stream_large(settings: dict[str, Any], n_tokens: int, chunk_size: int, *,
                  threads: int | None = None, device: str = "auto", hidden_on: str = "auto",
                  retain_memory: bool = True, progress: bool = True, precision: str = "fp32",
-                 memmap_dir: str | None = None, timeout_s: float = 4 * 3600) -> dict[str, Any]:
-    """One streamed forward on ``n_tokens`` random tokens: time and peak memory."""
+                 memmap_dir: str | None = None, page_cache_bytes: int | None = None,
+                 timeout_s: float = 4 * 3600) -> dict[str, Any]:
+    """One streamed forward on ``n_tokens`` random tokens: time and peak memory (with
+    ``page_cache_bytes``, a memory-mapped state under :func:`page_cache_limit`)."""
     job = {"kind": "measure", "settings": settings, "n_tokens": n_tokens,
            "chunk_size": chunk_size, "threads": threads, "device": device,
            "hidden_on": hidden_on, "progress": progress, "precision": precision,
-           "memmap_dir": memmap_dir}
+           "memmap_dir": memmap_dir, "page_cache_bytes": page_cache_bytes}
     record = _in_fresh_interpreter(job, retain_memory=retain_memory, timeout_s=timeout_s)
     width = 2 if precision in ("bf16", "fp16") else 4
     return {**record, "hidden_bytes": n_tokens * settings["dim"] * width}

@@ -85,7 +85,8 @@ def _bench_stream(args: argparse.Namespace) -> int:
         rec = streaming.stream_large(settings, args.large_n, args.chunk_size[0],
                                      hidden_on=args.hidden_on[0],
                                      precision=args.precision[0],
-                                     memmap_dir=args.memmap_dir, **common)
+                                     memmap_dir=args.memmap_dir,
+                                     page_cache_bytes=args.page_cache, **common)
         result["large"] = rec
         print(f"\nstreamed N={args.large_n} in chunks of {rec['chunk_size']}: "
               f"{rec['time_s']:.1f} s ({rec['cpu_time_s']:.1f} s CPU), peak "
@@ -113,9 +114,12 @@ def _placements(streaming, settings: dict, args: argparse.Namespace, common: dic
     out = streaming.stream_placements(settings, args.large_n, args.chunk_size[0],
                                       args.hidden_on, rounds=args.rounds, on_record=show,
                                       precision=args.precision[0],
-                                      memmap_dir=args.memmap_dir, **common)
+                                      memmap_dir=args.memmap_dir,
+                                      page_cache_bytes=args.page_cache, **common)
+    cache = "" if not args.page_cache else f", page cache {_mib(args.page_cache).strip()} MiB"
     print(f"\nN={args.large_n}, chunks of {args.chunk_size[0]}, {args.precision[0]}, hidden "
-          f"state {_mib(out['hidden_bytes']).strip()} MiB, {args.rounds} interleaved rounds")
+          f"state {_mib(out['hidden_bytes']).strip()} MiB{cache}, {args.rounds} interleaved "
+          "rounds")
     for row in out["summary"]:
         ratios = ", ".join(f"{r:.3f}" for r in row["ratios"])
         print(f"  {row['hidden_on']:>7}: median {row['time_s']:.1f} s = "
@@ -160,6 +164,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where --large-n keeps the hidden state (auto, device, host, memmap; "
                         "default auto); several, comma-separated (e.g. host,memmap: in core "
                         "against out of core), are compared in --rounds interleaved rounds")
+    p.add_argument("--page-cache", type=_size, default=None,
+                   help="emulate a page cache of this many bytes (k, M: binary) for a memory-mapped "
+                        "hidden state: least recently used chunks beyond it are paged out "
+                        "(Linux >= 5.4), as on a machine with less memory than the state")
     p.add_argument("--memmap-dir", default=None,
                    help="directory of the memory-mapped hidden state (default the system's "
                         "temporary directory)")

@@ -33,6 +33,20 @@ hidden state ``h_l`` of all N tokens is kept between blocks, and each block runs
 
 ``embed`` runs once per chunk before the first block and ``head`` once after the last.
 
+Sweeps. The passes are run as sweeps over the chunks, each a chunk at a time through as
+many passes as need nothing more: the last pass of block ``l`` and the first pass of block
+``l + 1`` share a sweep (the chunk's ``h_{l+1}[c]`` goes straight on to the next block's
+first encode), as do ``embed`` and block 0's first pass, and block ``L - 1``'s last pass
+and ``head``. So ``1 + sum_l E_l`` sweeps read the hidden state (17 for 8 FLARE++ blocks,
+against ``2 + sum_l (E_l + 1) = 26`` passes when each pass is its own sweep), it is written
+once per block, and every chunk of a sweep must stop at the same encode. Sweeps alternate
+their direction over the chunks, so each starts on the chunks the last one touched: with
+the state in a memory-mapped file larger than the page cache, those are the pages the
+cache still holds (a sweep in the same direction would find none of them, the cache's
+least recently used pages being the next sweep's first). In the file, each chunk is copied
+in at once and the kernel asked to read the next chunk ahead while this one computes
+(:class:`_HiddenState`).
+
 Cost. No block is ever replayed from the model's input: every token goes once through
 ``embed``, ``head`` and each block's decode, output projection and FFN; the ``E_l`` encode
 passes of a block recompute only the pre-norm and the projections that the encode they
@@ -50,9 +64,10 @@ further merged across the ranks (:func:`~flarepp.distributed.merge_across_ranks`
 rank streams its own token shard, exactly over the whole mesh.
 
 Memory. The hidden state ``h [B, N, C]`` in the residual stream's dtype (float32, or the
-autocast dtype), stored where ``hidden_on`` says: on the compute device, in host memory, or
+autocast dtype; the layout of the input, so a chunk of a sample is one contiguous run),
+stored where ``hidden_on`` says: on the compute device, in host memory, or
 in a memory-mapped file whose disk space is reserved first and that is deleted once mapped
-(:func:`memmap_scratch`); the inputs ``[B, N, I]`` and outputs
+(:func:`memmap_scratch`); the latents of the two blocks a sweep runs; the inputs ``[B, N, I]`` and outputs
 ``[B, N, O]`` where the caller keeps them; per chunk one block's activations on K tokens,
 ``O(K C)``; per encode ``O(B H M D)``. Nothing grows with N but ``h`` and the in- and outputs.
 Under autocast the partials are accumulated in float32 (float64 for float64 models).
@@ -64,13 +79,14 @@ mixers' backends afterwards; the model code is not touched. Inference only (no a
 from __future__ import annotations
 
 import errno
-import itertools
 import math
+import mmap
 import os
 import re
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,35 +112,48 @@ class _EncodeReached(Exception):
     """Raised by the streaming backend to end a chunk's block once its partial is taken."""
 
 
+@dataclass
+class _BlockEncodes:
+    """One block's encodes while it streams: the finished latents ``Z`` in forward order,
+    the queries each was computed with, and the running partial ``(Z, L)`` of the next."""
+
+    latents: list[torch.Tensor] = field(default_factory=list)
+    queries: list[torch.Tensor] = field(default_factory=list)
+    partial: tuple[torch.Tensor, torch.Tensor] | None = None
+    partial_query: torch.Tensor | None = None
+    partial_dtype: torch.dtype | None = None   # the dtype encode() would return
+
+
 class StreamingBackend(AttentionBackend):
     """Serves a block's finished latents for its earlier encodes, accumulates the next one.
 
-    Per block: :meth:`start_block`; per pass and chunk: :meth:`start_chunk`, then the
-    block's forward, which ends with :class:`_EncodeReached` at the first unfinished
-    encode; per pass: :meth:`finish_pass`. A forward that reaches no unfinished encode is
-    the block's last pass.
+    Each block has its own encodes (:class:`_BlockEncodes`); per chunk and block,
+    :meth:`enter` selects the block, then the block's forward ends with
+    :class:`_EncodeReached` at its first unfinished encode (its partial taken), or runs to
+    its end when all are finished; per sweep over the chunks, :meth:`finish_pass` turns the
+    partial of the block the chunks stopped at into its next latents.
     """
 
     name = "streaming"
 
-    def __init__(self) -> None:
-        self.latents: list[torch.Tensor] = []   # this block's finished Z, in forward order
-        self.queries: list[torch.Tensor] = []   # the queries each Z was computed with
+    def __init__(self, blocks: int = 1) -> None:
+        self.blocks = [_BlockEncodes() for _ in range(max(blocks, 1))]
+        self.block = 0                          # the block the chunk is in
         self.calls = 0                          # encodes seen in the current chunk's block
-        self.partial: tuple[torch.Tensor, torch.Tensor] | None = None  # running (Z, L)
-        self.partial_query: torch.Tensor | None = None
-        self.partial_dtype: torch.dtype | None = None  # the dtype encode() would return
-        self.query_drift: dict[int, torch.Tensor] = {}  # encode -> "queries changed", on device
+        self.query_drift: dict[tuple[int, int], torch.Tensor] = {}  # on the device
+
+    @property
+    def encodes(self) -> _BlockEncodes:
+        return self.blocks[self.block]
 
     @property
     def target(self) -> int:
-        """The encode (in the block's forward order) the current pass accumulates."""
-        return len(self.latents)
+        """The encode (in the block's forward order) the current block accumulates."""
+        return len(self.encodes.latents)
 
-    def start_block(self) -> None:
-        self.check_queries()
-        self.latents, self.queries = [], []
-        self.partial, self.partial_query = None, None
+    def enter(self, block: int) -> None:
+        """The next forward is block ``block``'s, on a new chunk."""
+        self.block, self.calls = block, 0
 
     def start_chunk(self) -> None:
         self.calls = 0
@@ -133,66 +162,73 @@ class StreamingBackend(AttentionBackend):
         # The latents of encode `index` are only valid for the queries they were computed
         # with; queries that vary between chunks mean the model is not streamable. The
         # comparison stays on the device (no host sync per chunk) and is read once per
-        # block by check_queries(); FLAREPP_DEBUG_CHECKS=1 reads it at once.
+        # sweep by check_queries(); FLAREPP_DEBUG_CHECKS=1 reads it at once.
         if q.shape != reference.shape:
-            self._queries_differ(index)
+            self._queries_differ((self.block, index))
         if debug_checks():
             if not torch.allclose(q, reference, rtol=1e-5, atol=1e-6):
-                self._queries_differ(index)
+                self._queries_differ((self.block, index))
             return
         drift = ~torch.isclose(q, reference, rtol=1e-5, atol=1e-6).all()
-        previous = self.query_drift.get(index)
-        self.query_drift[index] = drift if previous is None else previous | drift
+        previous = self.query_drift.get((self.block, index))
+        self.query_drift[(self.block, index)] = drift if previous is None else previous | drift
 
     def check_queries(self) -> None:
         """Raise if an encode received different queries in different chunks (one sync)."""
         if not self.query_drift:
             return
-        indices = sorted(self.query_drift)
-        flags = torch.stack([self.query_drift[i] for i in indices]).tolist()
+        keys = sorted(self.query_drift)
+        flags = torch.stack([self.query_drift[k] for k in keys]).tolist()
         self.query_drift = {}
-        for index, differs in zip(indices, flags):
+        for key, differs in zip(keys, flags):
             if differs:
-                self._queries_differ(index)
+                self._queries_differ(key)
 
     @staticmethod
-    def _queries_differ(index: int) -> None:
-        raise RuntimeError(f"streaming: encode {index} received different queries in "
-                           "different chunks; its queries depend on the chunk's tokens "
-                           "outside the latent encodes, so the model cannot be streamed")
+    def _queries_differ(key: tuple[int, int]) -> None:
+        raise RuntimeError(f"streaming: encode {key[1]} of block {key[0]} received different "
+                           "queries in different chunks; its queries depend on the chunk's "
+                           "tokens outside the latent encodes, so the model cannot be "
+                           "streamed")
 
     def held_encode(self, q):
         """The latents of the next encode when an earlier pass finished them, else ``None``;
         the mixer then skips that encode's keys and values."""
-        if self.calls < len(self.latents):
+        if self.calls < len(self.encodes.latents):
             return self.encode(q, None, None)
         return None
 
     def encode(self, q, k, v, mask=None, *, scale=None):
-        index = self.calls
+        index, mine = self.calls, self.encodes
         self.calls += 1
-        if index < len(self.latents):
-            self._check_query(q, self.queries[index], index)
-            return self.latents[index]
+        if index < len(mine.latents):
+            self._check_query(q, mine.queries[index], index)
+            return mine.latents[index]
         z_c, lse_c = encode_with_lse(q, k, v, mask, scale=scale)
-        self.partial_dtype = z_c.dtype
+        mine.partial_dtype = z_c.dtype
         z_c = z_c.to(lse_c.dtype)  # accumulate in float32 (float64) across chunks
-        if self.partial is None:
-            self.partial, self.partial_query = (z_c, lse_c), q
+        if mine.partial is None:
+            mine.partial, mine.partial_query = (z_c, lse_c), q
         else:
-            self._check_query(q, self.partial_query, index)
-            z, lse = self.partial
-            self.partial = merge_partials(torch.stack([z, z_c]), torch.stack([lse, lse_c]))
+            self._check_query(q, mine.partial_query, index)
+            z, lse = mine.partial
+            mine.partial = merge_partials(torch.stack([z, z_c]), torch.stack([lse, lse_c]))
         raise _EncodeReached
 
-    def finish_pass(self, group: dist.ProcessGroup | None) -> None:
-        """Turn the running partial into the target encode's latents (merged over ``group``)."""
-        z, lse = self.partial
+    def finish_pass(self, group: dist.ProcessGroup | None, block: int | None = None) -> None:
+        """Turn the running partial of ``block`` (default the current one) into its next
+        latents, merged over ``group``."""
+        mine = self.blocks[self.block if block is None else block]
+        z, lse = mine.partial
         if group is not None:
             z, lse = merge_across_ranks(z, lse, group)
-        self.latents.append(z.to(self.partial_dtype))
-        self.queries.append(self.partial_query)
-        self.partial, self.partial_query = None, None
+        mine.latents.append(z.to(mine.partial_dtype))
+        mine.queries.append(mine.partial_query)
+        mine.partial, mine.partial_query = None, None
+
+    def release(self, block: int) -> None:
+        """Block ``block`` ran its last pass: its latents are not needed again."""
+        self.blocks[block] = _BlockEncodes()
 
     def self_attention(self, q, k, v, mask=None, *, scale=None):
         raise ValueError("streaming: full self-attention cannot be computed chunk by chunk "
@@ -223,17 +259,56 @@ def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
 
 def _hidden_storage(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device, memmap_dir: str | os.PathLike | None
-                    ) -> torch.Tensor:
-    """An uninitialised ``[B, N, C]`` buffer on ``device``, in host memory or in a file."""
+                    ) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """An uninitialised ``[B, N, C]`` buffer on ``device``, in host memory or in a file
+    (then with its mapping)."""
     if kind == "device":
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device), None
     if kind == "host":
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), None
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    # A byte file viewed as `dtype`: numpy has no bfloat16, torch reinterprets the bytes.
-    array = memmap_scratch(memmap_dir, max(1, nbytes), f"the hidden state {list(shape)} "
+    mapping = _map_scratch(memmap_dir, max(1, nbytes), f"the hidden state {list(shape)} "
                                                        f"{str(dtype).removeprefix('torch.')}")
-    return torch.from_numpy(array)[:nbytes].view(dtype).view(shape)
+    # A byte file viewed as `dtype`: numpy has no bfloat16, torch reinterprets the bytes.
+    array = np.frombuffer(mapping, np.uint8)
+    return torch.from_numpy(array)[:nbytes].view(dtype).view(shape), mapping
+
+
+class _HiddenState:
+    """``h [B, N, C]`` between sweeps, where ``kind`` says (:func:`_hidden_storage`).
+
+    In a memory-mapped file, a chunk is read in one copy (its page faults together, before
+    the block's operations, not inside them) and the kernel is asked to read the next
+    chunk of the sweep ahead (``madvise(MADV_WILLNEED)``) while this one computes."""
+
+    def __init__(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, memmap_dir: str | os.PathLike | None) -> None:
+        self.kind, self.device = kind, device
+        self.tensor, self.mapping = _hidden_storage(kind, shape, dtype, device, memmap_dir)
+        self.row_bytes = shape[-1] * self.tensor.element_size()
+
+    def load(self, sl: slice) -> torch.Tensor:
+        chunk = self.tensor[:, sl]
+        return chunk.to(self.device, copy=True) if self.kind == "memmap" else chunk.to(self.device)
+
+    def store(self, sl: slice, h: torch.Tensor) -> None:
+        self.tensor[:, sl] = h
+
+    def prefetch(self, sl: slice | None) -> None:
+        if self.mapping is not None and sl is not None:
+            for start, length in self.file_ranges(sl):
+                self.mapping.madvise(mmap.MADV_WILLNEED, start, length)
+
+    def file_ranges(self, sl: slice) -> list[tuple[int, int]]:
+        """``(offset, length)`` in the file of the chunk ``sl`` of each sample, from a page
+        boundary."""
+        batch, n = self.tensor.shape[:2]
+        ranges = []
+        for b in range(batch if sl.stop > sl.start else 0):
+            start = (b * n + sl.start) * self.row_bytes
+            aligned = start - start % mmap.PAGESIZE
+            ranges.append((aligned, (sl.stop - sl.start) * self.row_bytes + start - aligned))
+        return ranges
 
 
 MEMMAP_PREFIX = "flarepp-hidden-"
@@ -245,6 +320,13 @@ _MEMMAP_NAME = re.compile(re.escape(MEMMAP_PREFIX)
 def memmap_scratch(directory: str | os.PathLike | None, nbytes: int, what: str) -> np.ndarray:
     """A writable ``uint8`` array of ``nbytes`` mapped from a file in ``directory`` (default
     the system's temporary directory) whose disk space is reserved and that is already
+    deleted (:func:`_map_scratch`)."""
+    return np.frombuffer(_map_scratch(directory, nbytes, what), np.uint8)
+
+
+def _map_scratch(directory: str | os.PathLike | None, nbytes: int, what: str) -> mmap.mmap:
+    """A shared writable mapping of ``nbytes`` of a file in ``directory`` (default the
+    system's temporary directory) whose disk space is reserved and that is already
     deleted: the kernel frees it when the mapping goes, however the process ends.
 
     Space first: a sparse file on a full file system maps fine and then kills the process
@@ -265,7 +347,7 @@ def memmap_scratch(directory: str | os.PathLike | None, nbytes: int, what: str) 
     fd, name = tempfile.mkstemp(prefix=MEMMAP_PREFIX + owner, suffix=".bin", dir=folder)
     try:
         _reserve(fd, nbytes, folder, what)
-        return np.memmap(name, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
         os.unlink(name)
@@ -362,51 +444,34 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     ``x`` and ``mask`` may stay on the host; each chunk is moved to ``device`` (default:
     the model's) and the outputs are written back to ``x``'s device. With ``group``, ``x``
     is this rank's token shard and the encodes are merged across the group as well (call
-    it on every rank). ``hidden_on`` places the hidden state ``[B, N, C]`` between blocks:
+    it on every rank). ``hidden_on`` places the hidden state ``[B, N, C]`` between sweeps:
     ``"device"``, ``"host"``, ``"memmap"`` (a file in ``memmap_dir``, default the
     system's temporary directory, with its space reserved and deleted once mapped: a full
     disk is an ``OSError`` sentence and no exit leaves the file, :func:`memmap_scratch`) or
-    ``"auto"``: the device if it
-    is an accelerator and the state fits ``memory_budget`` bytes there, else host memory if
-    it fits ``memory_budget`` bytes, else a memory-mapped file; the default budget is half
-    the memory available at the call (free device memory / the host's ``MemAvailable``).
-    ``progress`` shows a progress bar over the passes (embed, each block's passes, head).
+    ``"auto"``: the device if it is an accelerator and the state fits ``memory_budget``
+    bytes there, else host memory if it fits ``memory_budget`` bytes, else a memory-mapped
+    file; the default budget is half the memory available at the call (free device memory
+    / the host's ``MemAvailable``). ``progress`` shows a progress bar over the sweeps.
 
     Raises ``ValueError`` for a model with a mixer that cannot stream or without a
     ``streaming_plan()`` (see :class:`~flarepp.models.backbone.StreamingPlan`).
     """
     _check_streaming(model, chunk_size, hidden_on)
     plan = model.streaming_plan()
-    device = (next(model.parameters()).device if device is None else torch.device(device))
-    batch, n_tokens = x_BNI.shape[:2]
-    chunks = _chunks(n_tokens, chunk_size)
-    backend = StreamingBackend()
+    device = next(model.parameters()).device if device is None else torch.device(device)
+    backend = StreamingBackend(len(plan.blocks))
     previous = install_backend(model, backend)
-    bar = tqdm(total=None, unit="pass", desc="stream_forward", disable=not progress)
+    run = _Sweeps(plan, backend, x_BNI, mask_BN, _chunks(x_BNI.shape[1], chunk_size), device,
+                  group, (hidden_on, memmap_dir, memory_budget))
+    bar = tqdm(total=None, unit="sweep", desc="stream_forward", disable=not progress)
     try:
         with torch.no_grad():
-            hidden = None   # h [B, N, C], allocated once the residual stream's dtype is known
-            for sl in chunks:
-                h_c = plan.embed(_to(x_BNI, sl, device), _to(mask_BN, sl, device))
-                if hidden is None:
-                    shape = (batch, n_tokens, h_c.shape[-1])
-                    nbytes = math.prod(shape) * h_c.element_size()
-                    kind = _storage_kind(hidden_on, nbytes, device, memory_budget)
-                    hidden = _hidden_storage(kind, shape, h_c.dtype, device, memmap_dir)
-                    bar.set_postfix_str(f"hidden state: {kind}, {nbytes / 2**30:.2f} GiB")
-                hidden[:, sl] = h_c
-            bar.update()
-            carry = plan.initial_carry(batch)
-            for index, block in enumerate(plan.blocks):
-                carry, passes = _stream_block(block, hidden, mask_BN, carry, chunks, backend,
-                                              device, group, bar)
-                if index == 0:  # the registered models' blocks all run as many passes
-                    bar.total = 2 + len(plan.blocks) * passes
-                    bar.refresh()
-            backend.check_queries()
-            y_BNO = _stream_head(plan, hidden, mask_BN, chunks, device, x_BNI.device)
-            bar.update()
-            return y_BNO
+            while run.y_BNO is None:
+                run.sweep()
+                bar.total = run.sweeps_expected
+                bar.set_postfix_str(run.placement, refresh=False)
+                bar.update()
+            return run.y_BNO
     finally:
         bar.close()
         restore_backends(previous)
@@ -422,47 +487,92 @@ def _check_streaming(model: nn.Module, chunk_size: int, hidden_on: str) -> None:
         raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got {hidden_on!r}")
 
 
-def _stream_head(plan: Any, hidden: torch.Tensor, mask_BN: torch.Tensor | None,
-                 chunks: list[slice], device: torch.device, out_device: torch.device
-                 ) -> torch.Tensor:
-    """The head over every chunk of the last hidden state: ``y [B, N, O]`` on
-    ``out_device``."""
-    y_BNO = None
-    for sl in chunks:
-        y_c = plan.head(hidden[:, sl].to(device), _to(mask_BN, sl, device))
-        if y_BNO is None:
-            y_BNO = y_c.new_empty((*hidden.shape[:2], *y_c.shape[2:]), device=out_device)
-        y_BNO[:, sl] = y_c
-    return y_BNO
+class _Sweeps:
+    """The sweeps of :func:`stream_forward` over the chunks (module docstring).
 
+    A sweep starts every chunk at block ``first`` (the first sweep from ``embed``) and runs
+    it through the blocks whose encodes are all finished until one raises
+    :class:`_EncodeReached` at its next unfinished encode; every chunk must stop at the same
+    encode, whose merged partial then becomes latents. The hidden state is written back
+    only where a chunk advanced, and a chunk that passes every block goes through ``head``.
+    Sweeps alternate their direction over the chunks, so each begins with the chunks the
+    last one touched (the ones a page cache still holds when the state is on disk)."""
 
-def _stream_block(block, hidden: torch.Tensor, mask_BN: torch.Tensor | None, carry: Any,
-                  chunks: list[slice], backend: StreamingBackend, device: torch.device,
-                  group: dist.ProcessGroup | None, bar: tqdm) -> tuple[Any, int]:
-    """One block's passes over the chunks; ``hidden`` is overwritten with the block's output.
-    Returns the block's output carry and the number of passes it took."""
-    backend.start_block()
-    for passes in itertools.count(1):
-        reached, carry_out = 0, None
-        for sl in chunks:
-            backend.start_chunk()
+    def __init__(self, plan, backend: StreamingBackend, x_BNI: torch.Tensor,
+                 mask_BN: torch.Tensor | None, chunks: list[slice], device: torch.device,
+                 group: dist.ProcessGroup | None, placement: tuple) -> None:
+        self.plan, self.backend, self.x_BNI, self.mask_BN = plan, backend, x_BNI, mask_BN
+        self.chunks, self.device, self.group, self.where = chunks, device, group, placement
+        self.first, self.sweeps, self.sweeps_expected = -1, 0, None
+        self.carries = {0: plan.initial_carry(x_BNI.shape[0])}
+        self.hidden: _HiddenState | None = None
+        self.y_BNO: torch.Tensor | None = None
+        self.placement = ""
+
+    def sweep(self) -> None:
+        order = self.chunks if self.sweeps % 2 == 0 else self.chunks[::-1]
+        stops = []
+        for i, sl in enumerate(order):
+            if self.hidden is not None:
+                self.hidden.prefetch(order[i + 1] if i + 1 < len(order) else None)
+            mask = _to(self.mask_BN, sl, self.device)
+            h = (self.plan.embed(_to(self.x_BNI, sl, self.device), mask) if self.first < 0
+                 else self.hidden.load(sl))
+            stop, h = self._blocks(h, mask)
+            stops.append(stop)
+            if stop == len(self.plan.blocks):
+                self._output(sl, self.plan.head(h, mask))
+            elif stop > self.first:
+                self._store(sl, h)
+        self._finish(stops)
+
+    def _blocks(self, h: torch.Tensor, mask: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+        """``(b, h_b)``: the chunk through the blocks from ``first`` to the block ``b``
+        whose forward stopped at an unfinished encode (``b = L``: none did)."""
+        for b in range(max(self.first, 0), len(self.plan.blocks)):
+            self.backend.enter(b)
             try:
-                h_c, carry_c = block(hidden[:, sl].to(device), _to(mask_BN, sl, device), carry)
+                h_next, carry = self.plan.blocks[b](h, mask, self.carries[b])
             except _EncodeReached:
-                reached += 1
-                continue
-            if h_c.dtype != hidden.dtype:
+                return b, h
+            if h_next.dtype != h.dtype:
                 raise RuntimeError(f"streaming: a block turned the hidden state from "
-                                   f"{hidden.dtype} into {h_c.dtype}; the stored state keeps "
+                                   f"{h.dtype} into {h_next.dtype}; the stored state keeps "
                                    "one dtype, so this model cannot be streamed exactly")
-            hidden[:, sl] = h_c
-            if carry_out is None:
-                carry_out = carry_c
-        bar.update()
-        if reached == 0:
-            return carry_out, passes
-        if reached != len(chunks):
-            raise RuntimeError(f"streaming: encode {backend.target} of a block was reached in "
-                               f"{reached} of {len(chunks)} chunks; the block's control flow "
+            self.carries.setdefault(b + 1, carry)
+            h = h_next
+        return len(self.plan.blocks), h
+
+    def _store(self, sl: slice, h: torch.Tensor) -> None:
+        if self.hidden is None:
+            shape = (self.x_BNI.shape[0], self.x_BNI.shape[1], h.shape[-1])
+            nbytes = math.prod(shape) * h.element_size()
+            hidden_on, memmap_dir, budget = self.where
+            kind = _storage_kind(hidden_on, nbytes, self.device, budget)
+            self.hidden = _HiddenState(kind, shape, h.dtype, self.device, memmap_dir)
+            self.placement = f"hidden state: {kind}, {nbytes / 2**30:.2f} GiB"
+        self.hidden.store(sl, h)
+
+    def _output(self, sl: slice, y: torch.Tensor) -> None:
+        if self.y_BNO is None:
+            self.y_BNO = y.new_empty((*self.x_BNI.shape[:2], *y.shape[2:]),
+                                     device=self.x_BNI.device)
+        self.y_BNO[:, sl] = y
+
+    def _finish(self, stops: list[int]) -> None:
+        """After a sweep: the stopped encode's latents, the queries checked (one sync)."""
+        stop = stops[0]
+        if any(s != stop for s in stops):
+            raise RuntimeError(f"streaming: the chunks of one sweep stopped in different "
+                               f"blocks ({sorted(set(stops))}); a block's control flow "
                                "depends on the chunk")
-        backend.finish_pass(group)
+        self.sweeps += 1
+        self.backend.check_queries()
+        for done in range(max(self.first, 0), stop):
+            self.backend.release(done)
+        if stop < len(self.plan.blocks):
+            self.backend.finish_pass(self.group, stop)
+        if self.first <= 0 < stop and self.sweeps_expected is None:
+            # block 0 took `sweeps - 1` encodes; the registered models' blocks all take as many
+            self.sweeps_expected = 1 + len(self.plan.blocks) * (self.sweeps - 1)
+        self.first = stop
