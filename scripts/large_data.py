@@ -1,11 +1,14 @@
 """A data set larger than memory: generate it straight into a store, train one epoch of the
 fields task on it, and measure the run's peak resident memory against the data's size.
 
-    python scripts/large_data.py --out /work/bigdata/laplace --gib 6 --points 200000
+    python scripts/large_data.py --out /work/bigdata/laplace --gb 8 [--build-only]
 
-1. ``flarepp data make laplace-store`` writes ``--gib`` GiB of samples of ``--points``
-   points each (one sample in memory at a time; a killed generation resumes); skipped when
-   the store is already there.
+1. The store: at least ``--gb`` GB (10^9 bytes) of samples of ``--points`` points (default
+   1.5M) with ``--fields`` harmonic target fields each (default 37: with the 3 coordinates,
+   40 float32 channels, 240 MB a sample, like a CFD case's many output arrays), ``--test``
+   of them test samples, by :func:`flarepp.data.generators.laplace.make_laplace_store` (one
+   sample in memory at a time, each written atomically; a killed build resumes where it
+   stopped); the time it took and its size are printed, and ``--build-only`` stops there.
 2. ``flarepp train store-tiny`` trains exactly one epoch on it (``--stop-after 1`` of a
    2-epoch run, so no final evaluation of every training point), each step a random
    subset of ``--points-per-step`` points per sample, with ``--workers`` loader processes.
@@ -31,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-SAMPLE_BYTES_PER_POINT = 16      # coordinates (3) and u (1), float32
+CHANNEL_BYTES = 4                # float32
 
 
 def process_tree_memory(pid: int) -> tuple[int, int]:
@@ -61,12 +64,27 @@ def store_bytes(store: Path) -> int:
     return sum(p.stat().st_size for p in store.rglob("*.npy"))
 
 
+def build_store(out: Path, gb: float, points: int, fields: int, test: int) -> tuple[int, float]:
+    """The store of at least ``gb`` GB (module docstring): ``(train samples, seconds)``."""
+    from flarepp.data.generators.laplace import make_laplace_store
+    sample = points * (3 + fields) * CHANNEL_BYTES
+    n_train = max(1, math.ceil(gb * 1e9 / sample) - test)
+    print(f"store {out}: {n_train} + {test} samples of {points:,} points and {fields} fields "
+          f"({sample / 1e6:.0f} MB each, {(n_train + test) * sample / 1e9:.2f} GB)", flush=True)
+    started = time.perf_counter()
+    make_laplace_store(out, n_train=n_train, n_test=test, resolution=points, fields=fields)
+    return n_train, time.perf_counter() - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the store (several GB: not the repo)")
-    parser.add_argument("--gib", type=float, default=6.0, help="size of the data (GiB)")
-    parser.add_argument("--points", type=int, default=200_000, help="points per sample")
-    parser.add_argument("--test", type=int, default=8, help="test samples")
+    parser.add_argument("--gb", type=float, default=8.0,
+                        help="size of the store, GB = 10^9 bytes (default 8)")
+    parser.add_argument("--points", type=int, default=1_500_000, help="points per sample")
+    parser.add_argument("--fields", type=int, default=37, help="target fields per point")
+    parser.add_argument("--test", type=int, default=4, help="test samples")
+    parser.add_argument("--build-only", action="store_true", help="build the store, no run")
     parser.add_argument("--points-per-step", type=int, default=4096)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--run", help="run directory (default OUT-run)")
@@ -74,12 +92,11 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     flarepp = [sys.executable, "-m", "flarepp"]
-    n_train = math.ceil(args.gib * 2 ** 30 / (args.points * SAMPLE_BYTES_PER_POINT))
-    if not (out / "manifest.json").is_file():
-        subprocess.run([*flarepp, "data", "make", "laplace-store", "--out", str(out),
-                        "--train", str(n_train), "--test", str(args.test), "--resolution",
-                        str(args.points)], check=True)
+    n_train, seconds = build_store(out, args.gb, args.points, args.fields, args.test)
     size = store_bytes(out)
+    print(f"built in {seconds:.0f} s: {size / 1e9:.2f} GB of samples in {out}", flush=True)
+    if args.build_only:
+        return 0
     run = Path(args.run or f"{out}-run")
     command = [*flarepp, "train", "store-tiny", "--data", str(out), "--out", str(run),
                "--set", "epochs=2", "--stop-after", "1", "--set", "eval_every=2",
