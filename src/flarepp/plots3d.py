@@ -551,7 +551,7 @@ def mesh_surface(mesh, association: str, arrays: Mapping[str, np.ndarray]
     if mesh_kind(mesh) == "solid":
         shown = _cut_away(shown)
     surface = shown.extract_surface(algorithm="dataset_surface").triangulate()
-    types, offsets, connectivity = cell_arrays(surface)
+    _, offsets, connectivity = cell_arrays(surface)
     polygons = SurfacePolygons(np.asarray(surface.points, np.float64), offsets,
                                connectivity, {})
     data = surface.point_data if association == "point" else surface.cell_data

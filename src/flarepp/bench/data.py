@@ -8,8 +8,10 @@
   ``cells`` cells of one VTK cell type (tetrahedra, hexahedra, wedges, pyramids, or a mix
   of the four), made by VTK's ``vtkCellTypeSource`` with jittered points, converted with
   data at the cells (centres, volumes, a cell array) in a fresh interpreter per file and
-  round: wall time per cell and the peak of the resident set above the interpreter's
-  (:mod:`flarepp.bench.memory`), beside the bytes of the arrays the case gives the store.
+  round: wall time per cell, and the same without the time spent waiting for a CPU
+  (:func:`~flarepp.bench.fresh.queued_seconds`: what other jobs on a shared machine add),
+  and the peak of the resident set above the interpreter's (:mod:`flarepp.bench.memory`),
+  beside the bytes of the arrays the case gives the store.
 * **Loader share** (:func:`loader_share`): the trainer's own step
   (:meth:`flarepp.train.Trainer.train_step`) on a store-backed fields task, fed by the
   trainer's loader (:func:`flarepp.inference.batching.make_loader`, ``workers`` processes);
@@ -20,6 +22,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -107,20 +110,22 @@ def cell_type_mesh(cell_type: str, cells: int, seed: int = 0):
 def _convert_one(job: dict[str, Any]) -> dict[str, Any]:
     """Convert the file ``job["path"]`` (data at cells) into a store in ``job["out"]``:
     wall time, the peak resident set above the one before, the arrays' bytes."""
-    from flarepp.bench.memory import reset_peak_rss, peak_rss_since
+    from flarepp.bench.fresh import queued_seconds
+    from flarepp.bench.memory import peak_rss_since, reset_peak_rss
     from flarepp.data.convert import convert
     from flarepp.data.spec import parse_spec
     import pyvista  # noqa: F401  (the readers' import is not the conversion's cost)
     spec = parse_spec({"association": "cell", "geometry": ["coordinates", "volumes"],
                        "targets": ["p"]})
-    baseline = reset_peak_rss()
+    shutil.rmtree(job["out"], ignore_errors=True)      # no case of an earlier round reused
+    baseline, queued = reset_peak_rss(), queued_seconds()
     started = time.perf_counter()
     report = convert(job["path"], job["out"], spec, overwrite=True, progress=False)
     seconds = time.perf_counter() - started
-    peak = peak_rss_since(baseline)
+    peak, queued = peak_rss_since(baseline), queued_seconds() - queued
     arrays = sum(p.stat().st_size for p in Path(job["out"]).rglob("*.npy"))
-    return {"cells": report.rows, "seconds": seconds, "peak_bytes": peak,
-            "array_bytes": arrays, "baseline_bytes": baseline}
+    return {"cells": report.rows, "seconds": seconds, "uncontended_s": seconds - queued,
+            "peak_bytes": peak, "array_bytes": arrays, "baseline_bytes": baseline}
 
 
 def conversion_by_cell_type(cell_types: list[str], cells: int = 1_000_000, *, rounds: int = 1,
@@ -146,8 +151,11 @@ def conversion_by_cell_type(cell_types: list[str], cells: int = 1_000_000, *, ro
         out = []
         for cell_type, mine in records.items():
             seconds = statistics.median(r["seconds"] for r in mine)
+            uncontended = statistics.median(r["uncontended_s"] for r in mine)
             out.append({"cell_type": cell_type, "cells": mine[0]["cells"], "seconds": seconds,
                         "us_per_cell": 1e6 * seconds / mine[0]["cells"],
+                        "uncontended_s": uncontended,
+                        "uncontended_us_per_cell": 1e6 * uncontended / mine[0]["cells"],
                         "peak_bytes": max(r["peak_bytes"] for r in mine),
                         "array_bytes": mine[0]["array_bytes"],
                         "file_bytes": files[cell_type].stat().st_size,

@@ -30,6 +30,18 @@ def worker_main() -> None:
     print(json.dumps({**record, "malloc": str(policy)}))
 
 
+def queued_seconds() -> float:
+    """Seconds the calling thread has waited, runnable, for a CPU (``/proc/thread-self/
+    schedstat``; 0 where there is none). On a shared machine ``wall - queued`` of a
+    one-thread measurement is its time had no other process wanted the cores: its compute
+    plus its own waits (disk reads, page faults, write-back throttling)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
 def in_fresh_interpreter(job: dict[str, Any], *, what: str, retain_memory: bool = True,
                          timeout_s: float = 3600) -> dict[str, Any]:
     """Run ``job`` through :func:`worker_main`; its stderr (progress bars) passes through.
@@ -48,4 +60,4 @@ def in_fresh_interpreter(job: dict[str, Any], *, what: str, retain_memory: bool 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-__all__ = ["in_fresh_interpreter", "worker_main"]
+__all__ = ["in_fresh_interpreter", "queued_seconds", "worker_main"]

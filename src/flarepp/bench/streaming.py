@@ -15,6 +15,11 @@ Shape letters: N tokens, K chunk size, C channels.
   memory-mapped file (in core against out of core), in interleaved rounds.
 * :func:`stream_exactness`: ``max |y_stream - y|`` against the unchunked forward.
 
+Each timed record also holds ``queued_s``, the time the timing thread waited for a CPU
+(Linux schedstat), and ``uncontended_s = time_s - queued_s``: with one thread, the time the
+forward would have taken on cores of its own (its compute and its own waits for the disk),
+which other jobs on a shared machine do not inflate.
+
 Every measurement runs in a fresh interpreter (:mod:`flarepp.bench.fresh`) that first warms the
 model up on a few thousand tokens, then times one forward under ``torch.no_grad``. Peak
 memory is the growth of the resident set (CPU) or of allocated device memory (CUDA) above
@@ -38,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from flarepp.bench.fresh import in_fresh_interpreter
+from flarepp.bench.fresh import in_fresh_interpreter, queued_seconds
 from flarepp.bench.memory import PeakMemory
 from flarepp.device import autocast, resolve_device, synchronize
 from flarepp.models import build_model
@@ -75,15 +80,16 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
             page_cache_limit(limit) if limit else contextlib.nullcontext()):
         forward(x[:, :WARMUP_TOKENS])
         load_before = os.getloadavg()
-        usage, io = resource.getrusage(resource.RUSAGE_SELF), _io_bytes()
+        usage, io, queued = resource.getrusage(resource.RUSAGE_SELF), _io_bytes(), queued_seconds()
         with PeakMemory(device) as peak:
             start, cpu_start = time.perf_counter(), time.process_time()
             y = forward(x, job.get("progress", False))
             synchronize(device)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        queued = queued_seconds() - queued
     return {"n_tokens": job["n_tokens"], "chunk_size": chunk_size, "precision": precision,
             "hidden_on": job.get("hidden_on", "auto"), "page_cache_bytes": limit,
-            "time_s": wall,
+            "time_s": wall, "queued_s": queued, "uncontended_s": wall - queued,
             "cpu_time_s": cpu, "peak_bytes": peak.peak, "mem_method": peak.method,
             "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - usage.ru_minflt,
             "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - usage.ru_majflt,
@@ -257,7 +263,8 @@ def stream_placements(settings: dict[str, Any], n_tokens: int, chunk_size: int,
     """:func:`stream_large` with the hidden state at each of ``placements`` (e.g. ``host``
     against ``memmap``: in core against out of core), in interleaved rounds (the first
     placement leads in even rounds, the order turns in odd ones); per placement the median
-    time, and the median over rounds of its time over the first placement's."""
+    wall, uncontended and CPU time, and the median over rounds of each over the first
+    placement's in the same round."""
     records = []
     for r in range(rounds):
         for hidden_on in (placements if r % 2 == 0 else placements[::-1]):
@@ -266,14 +273,19 @@ def stream_placements(settings: dict[str, Any], n_tokens: int, chunk_size: int,
                                                        **options)})
             if on_record is not None:
                 on_record(records[-1])
-    time_of = {(rec["round"], rec["hidden_on"]): rec["time_s"] for rec in records}
-    summary = [{"hidden_on": h,
-                "time_s": statistics.median(time_of[(r, h)] for r in range(rounds)),
-                "ratios": [time_of[(r, h)] / time_of[(r, placements[0])] for r in range(rounds)]}
-               for h in placements]
-    for row in summary:
-        row["ratio"] = statistics.median(row["ratios"])
+    summary = []
+    for h in placements:
+        row = {"hidden_on": h}
+        for key in ("time_s", "uncontended_s", "cpu_time_s"):
+            of = {rec["round"]: rec[key] for rec in records if rec["hidden_on"] == h}
+            first = {rec["round"]: rec[key] for rec in records
+                     if rec["hidden_on"] == placements[0]}
+            row[key] = statistics.median(of.values())
+            row[f"{key}_ratios"] = [of[r] / first[r] for r in range(rounds)]
+            row[f"{key}_ratio"] = statistics.median(row[f"{key}_ratios"])
         row["us_per_token"] = 1e6 * row["time_s"] / n_tokens
+        row["uncontended_us_per_token"] = 1e6 * row["uncontended_s"] / n_tokens
+        summary.append(row)
     return {"records": records, "summary": summary, "n_tokens": n_tokens,
             "hidden_bytes": records[0]["hidden_bytes"]}
 

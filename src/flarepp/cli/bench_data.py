@@ -45,7 +45,8 @@ def _bench_data(args: argparse.Namespace) -> int:
                                                        rounds=args.rounds)
         for r in result["cell_types"]:
             print(f"convert {r['cells']:,} {r['cell_type']} cells: {r['seconds']:.2f} s = "
-                  f"{r['us_per_cell']:.2f} us/cell; peak memory {r['peak_bytes'] / 2**20:,.0f} "
+                  f"{r['us_per_cell']:.2f} us/cell ({r['uncontended_us_per_cell']:.2f} without "
+                  f"waiting for a CPU); peak memory {r['peak_bytes'] / 2**20:,.0f} "
                   f"MiB (VTU file {r['file_bytes'] / 2**20:,.0f} MiB, stored arrays "
                   f"{r['array_bytes'] / 2**20:,.0f} MiB)", flush=True)
     if args.workers:

@@ -105,7 +105,8 @@ def _placements(streaming, settings: dict, args: argparse.Namespace, common: dic
     """--large-n with several --hidden-on: each in interleaved rounds, times and ratios."""
     def show(r):
         print(f"  round {r['round']} hidden state {r['hidden_on']}: {r['time_s']:.1f} s "
-              f"({r['cpu_time_s']:.1f} s CPU), peak {_mib(r['peak_bytes']).strip()} MiB, "
+              f"({r['cpu_time_s']:.1f} s CPU, {r['uncontended_s']:.1f} s without waiting for "
+              f"a CPU), peak {_mib(r['peak_bytes']).strip()} MiB, "
               f"{r['minor_faults']} minor / {r['major_faults']} major faults, disk read "
               f"{_mib(r.get('disk_read_bytes', 0)).strip()} MiB, written "
               f"{_mib(r.get('disk_write_bytes', 0)).strip()} MiB, load {r['load_before'][0]:.1f} -> "
@@ -121,10 +122,12 @@ def _placements(streaming, settings: dict, args: argparse.Namespace, common: dic
           f"state {_mib(out['hidden_bytes']).strip()} MiB{cache}, {args.rounds} interleaved "
           "rounds")
     for row in out["summary"]:
-        ratios = ", ".join(f"{r:.3f}" for r in row["ratios"])
-        print(f"  {row['hidden_on']:>7}: median {row['time_s']:.1f} s = "
-              f"{row['us_per_token']:.2f} us/token; time / {args.hidden_on[0]} "
-              f"{row['ratio']:.3f} ({ratios})")
+        for key, what in (("time_s", "wall"), ("uncontended_s", "without waiting for a CPU"),
+                          ("cpu_time_s", "CPU")):
+            ratios = ", ".join(f"{r:.3f}" for r in row[f"{key}_ratios"])
+            print(f"  {row['hidden_on']:>7} {what}: median {row[key]:.1f} s = "
+                  f"{1e6 * row[key] / out['n_tokens']:.2f} us/token; / {args.hidden_on[0]} "
+                  f"{row[f'{key}_ratio']:.3f} ({ratios})")
     return out
 
 
