@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("flarepp.registry", "flarepp.validate", "flarepp.device", "flarepp.io",
               "flarepp.locks", "flarepp.paper", "flarepp.allocator", "flarepp.version",
-              "flarepp.threads")),
+              "flarepp.threads", "flarepp.values")),
     ("ops", ("flarepp.ops",)),
     ("mixers", ("flarepp.mixers",)),
     ("models", ("flarepp.models", "flarepp.rank_growth")),

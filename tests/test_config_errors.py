@@ -100,3 +100,18 @@ def test_own_npz_trains_and_config_json_feeds_back(tmp_path, capsys):
                  "model.latnts=2"]) == 2
     assert "latnts" in capsys.readouterr().err
     assert main(["train", "darcy-tiny", "--config", str(first / "config.json")]) == 2
+
+
+@pytest.mark.parametrize("item", ["dataset_options.points_per_step=0",
+                                  "dataset_options.n_train=-1", "eval_chunk_size=0"])
+def test_a_store_option_out_of_range_is_a_usage_error(tmp_path, capsys, item):
+    """Issue 41 #24: `--set dataset_options.points_per_step=0` exited 1 (a data error, raised
+    when the store was opened) where every other bad value exits 2; now the config's check
+    refuses it before any data is read (exit 2), naming the key, as it does a bad
+    `eval_chunk_size`."""
+    assert main(["train", "store-tiny", "--data", str(tmp_path), "--out",
+                 str(tmp_path / "run"), "--set", item]) == 2
+    err = capsys.readouterr().err
+    key = item.split("=")[0]
+    assert f"{key.split('.')[-1]} must be" in err and f"(with --set {key})" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

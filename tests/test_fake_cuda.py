@@ -360,9 +360,9 @@ def _surface_config(root):
     """The full-surface task on two generated surfaces of 1,500 cells (needs VTK)."""
     pytest.importorskip("vtkmodules", reason="the surface task reads .vtp files with VTK")
     from flarepp.data.generators import make_surface_flow
-    from flarepp.train import RunConfig, check_run_config
+    from flarepp.train import RunConfig, validate
     make_surface_flow(root, n_train=2, n_test=2, resolution=1500, seed=3, progress=False)
-    return check_run_config(RunConfig(
+    return validate(RunConfig(
         name="surface-fake-cuda", task="surface", dataset="drivaerml", data_root=str(root),
         dataset_options={"split_file": "split.json", "cells_per_step": 256},
         model={"mixer": "flarepp", "dim": 16, "heads": 2, "blocks": 1, "latents": 4},
@@ -447,6 +447,7 @@ def _on_fake_cuda(trainer, monkeypatch):
         trainer.optimizer = build_optimizer(trainer.model, config)
         trainer.scheduler = build_scheduler(trainer.optimizer, config, 100)
         trainer.scaler = grad_scaler(config.precision, dev)
+        trainer.checkpoints = trainer.checkpoint_manager()  # owns the states swapped in
         yield ([{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                 for b in micro], weight)
 
@@ -467,7 +468,7 @@ def test_checkpoint_written_on_cuda_resumes_on_the_cpu(task_configs, tmp_path, m
     those two reads return the initial values here."""
     from flarepp.storage.checkpoint import read_checkpoint, save_checkpoint
     from flarepp.train import Trainer, apply_overrides
-    from flarepp.train.loop import checkpoint_path
+    from flarepp.train.checkpoint import checkpoint_path
     config = apply_overrides(task_configs["fields"], [f"precision={precision}"])
     trainer = Trainer(config, tmp_path / "run", progress=False)
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in trainer.model.state_dict().items()}

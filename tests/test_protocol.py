@@ -11,7 +11,7 @@ import torch
 from flarepp.data import DatasetSplits, MeshSamples
 from flarepp.tasks.fields import (FieldTask, fit_input_normalizer, gradient_relative_l2_sum,
                                   relative_l2_sum, resolve_input_norm)
-from flarepp.train import RunConfig, Trainer, check_run_config, get_preset
+from flarepp.train import RunConfig, Trainer, validate, get_preset
 from flarepp.storage.config import CONFIG_VERSION, LEGACY_PROTOCOL, VERSION_KEY
 from flarepp.train.optim import build_optimizer, build_scheduler, split_decay
 
@@ -46,7 +46,7 @@ def run_config(**kw):
     base = dict(name="protocol-test", dataset="npz", data_root="unused",
                 model=dict(mixer="flarepp", dim=8, heads=2, latents=4, blocks=1), epochs=2,
                 batch_size=3, device="cpu")
-    return check_run_config(RunConfig(**{**base, **kw}))
+    return validate(RunConfig(**{**base, **kw}))
 
 
 # -- hand computations (float64, loops) ------------------------------------------------------

@@ -224,3 +224,129 @@ def test_eval_with_wrong_channel_count_is_a_sentence(darcy_dir, tmp_path, capsys
     assert cli(["eval", str(tmp_path / "as_npz.pt"), "--data", str(npz)]) == 1
     err = capsys.readouterr().err
     assert "5 input channels" in err or ("have 5 channels" in err and "takes 3" in err)
+
+
+TORCH_ALLOCATOR = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+                   "allocate memory: you tried to allocate 490733568 bytes. Error code 12 "
+                   "(Cannot allocate memory)")
+NUMPY_ALLOCATOR = ("Unable to allocate 468. MiB for an array with shape (3, 1049580, 39) and "
+                   "data type float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_at, error, stage", [
+    (2, RuntimeError(TORCH_ALLOCATOR), "the validation after epoch 2"),
+    (2, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 468.00 MiB"),
+     "the validation after epoch 2"),
+    (5, MemoryError(NUMPY_ALLOCATOR), "the end-of-run evaluation"),
+], ids=["torch-cpu-validation", "torch-oom-validation", "numpy-end-of-run"])
+def test_the_checkpoint_comes_first_whatever_fails_after_it(darcy_dir, tmp_path, capsys,
+                                                          monkeypatch, fail_at, error, stage):
+    """Issue 41 #11, issue 38 item 2: an allocation failure in the evaluation after an epoch
+    (torch's host allocator, torch's OutOfMemoryError, numpy's MemoryError) lost the epoch
+    (no checkpoint was written before the evaluation) and printed a raw traceback. Now the
+    epoch's checkpoint is on disk first; the CLI says one sentence naming the stage, the
+    bytes asked for (468 MiB), the option that bounds it and the checkpoint to continue
+    from (exit 1); `--resume` trains no epoch again, redoes the lost evaluation and ends
+    where an uninterrupted run ends (CPU, FP32)."""
+    import flarepp.train.loop as loop
+    items = TINY + ["checkpoint_every=1"]
+    full = train(get_preset("darcy-tiny", items), tmp_path / "full", data_root=darcy_dir,
+                 progress=False)
+    real, calls = loop.evaluate_weights, []
+
+    def failing(*args, **kwargs):  # calls 1-3: after epochs 1-3; 4-5: the end of the run
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise error
+        return real(*args, **kwargs)
+    monkeypatch.setattr(loop, "evaluate_weights", failing)
+    out = tmp_path / "run"
+    command = ["train", "darcy-tiny", "--data", str(darcy_dir), "--out", str(out), "--quiet",
+               *sets(items)]
+    assert cli(command) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"flarepp train: error: out of memory in {stage} (an allocation "
+                          "of 468 MiB failed): bound it with eval_chunk_size (now unset"), err
+    epoch = 2 if fail_at == 2 else 3
+    checkpoint = out / "checkpoints" / f"epoch_{epoch:04d}.pt"
+    assert f"continues from {str(checkpoint)!r}" in err and "--resume" in err
+    assert torch.load(checkpoint, weights_only=True)["epoch"] == epoch
+    monkeypatch.setattr(loop, "evaluate_weights", real)
+    trained = []
+    monkeypatch.setattr(loop.Trainer, "train_epoch", lambda self, _real=loop.Trainer.train_epoch:
+                        trained.append(self.epoch) or _real(self))
+    assert cli([*command, "--resume"]) == 0
+    assert trained == list(range(epoch, 3))  # no epoch trained twice
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [1, 2, 3]
+    assert [r["test_rel_l2"] for r in log] == [r["test_rel_l2"] for r in ref]
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("test_rel_l2", "train_rel_l2", "epochs"):
+        assert metrics[key] == full[key], key
+
+
+@pytest.mark.slow
+def test_an_allocation_failure_in_training_names_its_stage(darcy_dir, tmp_path, monkeypatch):
+    """Issue 38 item 2: a failed allocation in a training step or in the data loading was a
+    raw traceback; now it is one sentence naming the stage and its epoch, the bytes asked
+    for, the options that bound it (``batch_size``; a store's ``points_per_step``) and
+    where the run continues from."""
+    import flarepp.train.loop as loop
+    from flarepp.allocator import OutOfMemory
+    config = get_preset("darcy-tiny", TINY + ["checkpoint_every=1"])
+    trainer = Trainer(config, tmp_path / "step", data_root=darcy_dir, progress=False)
+    step, calls = trainer.train_step, []
+
+    def failing_step(*args):
+        calls.append(1)
+        if len(calls) == 4:  # the first step of epoch 2 (3 steps per epoch)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(*args)
+    trainer.train_step = failing_step
+    with pytest.raises(OutOfMemory) as info:
+        trainer.fit()
+    first = tmp_path / "step" / "checkpoints" / "epoch_0001.pt"
+    assert str(info.value) == (
+        "out of memory in a training step of epoch 2 (an allocation of 2 GiB failed): bound "
+        f"it with batch_size (now 4); the run continues from {str(first)!r} with the same "
+        "command and --resume")
+
+    def failing_loader(loader, device):
+        yield next(iter(loader))
+        raise MemoryError(NUMPY_ALLOCATOR)
+    monkeypatch.setattr(loop, "to_device_prefetched", failing_loader)
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the data loading of epoch 1 "
+                       r"\(an allocation of 468 MiB failed\): bound it with batch_size \(now "
+                       r"4\) or loader_workers \(now -1\); no checkpoint was written yet"):
+        train(config, tmp_path / "load", data_root=darcy_dir, progress=False)
+
+
+@pytest.mark.slow
+def test_a_run_whose_lease_is_taken_over_writes_nothing_more(darcy_dir, tmp_path):
+    """Issue 41 #18: with one host id in two PID namespaces, a second process judged the
+    holder of a run directory gone and took its lease; the first kept training until its
+    heartbeat check (30 s) and log.jsonl ended with duplicated epochs. Now the lease is
+    checked before every log line and checkpoint: after it is taken over (here: after
+    epoch 1), the run writes no further line or checkpoint and stops."""
+    from flarepp.storage.locks import LeaseLost, LockHolder
+    from flarepp.train.callbacks import TrainerCallback
+    out = tmp_path / "run"
+
+    class TakeOver(TrainerCallback):
+        def on_epoch_end(self, epoch, record):
+            other = LockHolder.this_process()  # another token: the taker's record
+            (out / ".lock").write_text(json.dumps(other.__dict__) + "\n")
+
+    config = get_preset("darcy-tiny", TINY + ["checkpoint_every=1"])
+    trainer = Trainer(config, out, data_root=darcy_dir, progress=False, callbacks=[TakeOver()])
+    lost = []
+    trainer.lock.on_lost = lambda lease, reason: lost.append(reason)  # instead of exit 75
+    with pytest.raises(LeaseLost, match="took it over"):
+        trainer.fit()
+    assert lost and "took it over" in lost[0]
+    assert [json.loads(x)["epoch"] for x in (out / "log.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch_0001.pt"]
+    assert (out / ".lock").exists()  # the taker's lease is left to the taker

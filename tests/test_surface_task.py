@@ -29,7 +29,7 @@ from flarepp.distributed import run_on_ranks  # noqa: E402
 from flarepp.tasks import build_task  # noqa: E402
 from flarepp.plots3d import CASE_FILE  # noqa: E402
 from flarepp.tasks.surface import ERRORS_FILE, subset_cells  # noqa: E402
-from flarepp.train import Engine, RunConfig, Trainer, check_run_config  # noqa: E402
+from flarepp.train import Engine, RunConfig, Trainer, validate  # noqa: E402
 from flarepp.inference.batching import epoch_keys  # noqa: E402
 from flarepp.inference.execution import Execution  # noqa: E402
 from flarepp.train.loop import epoch_seed  # noqa: E402
@@ -43,7 +43,7 @@ def config(data: str, **kw) -> RunConfig:
                **kw.pop("dataset_options", {})}
     model = {"mixer": "flarepp", "dim": 16, "heads": 2, "blocks": 2, "latents": 4,
              **kw.pop("model", {})}
-    return check_run_config(RunConfig(**{
+    return validate(RunConfig(**{
         "name": "surface-test", "task": "surface", "dataset": "drivaerml", "data_root": data,
         "dataset_options": options, "model": model, "epochs": 2, "batch_size": 1, "lr": 3e-3,
         "weight_decay": 1e-4, "ema_decay": 0.9, "device": "cpu", "checkpoint_every": 1,

@@ -184,7 +184,7 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
     report; the other is left resumable, shown pending with the disk error, and on the
     rerun after space is freed resumes from its first checkpoint and finishes, while the
     diverged one is not retried. Before: both got a permanent failed.json."""
-    import flarepp.train.loop as loop
+    import flarepp.train.checkpoint as loop  # the module that writes a run's checkpoints
     data = _npz(tmp_path / "d.npz")
     study = sweep_study("npz", parse_axes(["lr=1e-3,1e30"]), data=str(data),
                         sets=[*TINY, "epochs=3", "div_factor=1.0"])

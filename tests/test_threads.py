@@ -5,6 +5,8 @@ here are simulated (a step advances a fake clock by what its thread count costs)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,7 +19,10 @@ from flarepp.threads import (CORES_ENV, THREADS_ENV, ThreadTuner, candidates, cg
 def _no_user_setting(monkeypatch):
     """No user setting (the suite's OMP_NUM_THREADS=1 removed); the count restored after."""
     for name in (THREADS_ENV, CORES_ENV, *threads.USER_ENVS):
-        monkeypatch.delenv(name, raising=False)
+        # set, then delete: monkeypatch records the variable's absence, so what a test (or
+        # set_threads) writes into it is removed at the end, not left to the next test
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "_TORCH_AT_IMPORT", before)
     monkeypatch.setattr(threads, "thread_budget", lambda loader_workers=0: 4)
@@ -155,3 +160,61 @@ def test_bench_threads_prints_its_table(monkeypatch, capsys):
     assert lines[2].startswith("darcy-tiny 6x6") and lines[3].startswith("Table 7 surrogate N=32")
     assert all("ms" in line and line.split("ms")[-1].split()[:2] == ["1", "1"]
                for line in lines[2:4])
+
+
+def test_a_thread_count_beyond_the_machine_is_refused_in_a_sentence(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Issue 41 #22: `--threads 100000` started 32,298 threads and then failed with "can't
+    start new thread"; `OMP_NUM_THREADS=100000` ended in a store error's advice ("convert
+    the store again"). Both are now refused before any work (exit 2), in a sentence naming
+    the option or variable and the most this machine can run; no thread count changes."""
+    from flarepp.cli import main
+    before = torch.get_num_threads()
+    most = threads.THREADS_PER_CORE * (os.cpu_count() or 1)
+    command = ["train", "darcy-tiny", "--data", str(tmp_path), "--out", str(tmp_path / "run")]
+    assert main([*command, "--threads", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --threads asks for 100000 CPU threads" in err and f"at most {most}" in err
+    assert torch.get_num_threads() == before and THREADS_ENV not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert "error: OMP_NUM_THREADS asks for 100000 CPU threads" in err
+    assert "convert" not in err and torch.get_num_threads() == before
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(most))  # as many as it may ask: accepted
+    assert user_threads() == (most, "OMP_NUM_THREADS")
+
+
+def test_a_tuner_puts_back_the_count_it_found(monkeypatch):
+    """A measurement changes the count for the work it times only: ``restore`` (and leaving
+    a ``with ThreadTuner()`` block) puts back the count found before, so a run or an
+    evaluation leaves its process as it found it."""
+    torch.set_num_threads(3)
+    monkeypatch.setattr(threads._Applied, "by_us", True)  # 3: flarepp's count, not a user's
+    with ThreadTuner(budget_s=10) as tuner:
+        step = _step({1: 0.001, 2: 0.004, 3: 0.004, 4: 0.008})
+        while tuner.measuring:
+            with tuner.step():
+                step()
+        assert tuner.choice.threads == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 3 and threads._Applied.by_us
+
+
+@pytest.mark.slow
+def test_a_run_leaves_the_thread_count_it_found(darcy_dir, tmp_path, monkeypatch):
+    """The trainer's thread tuning chose the count and left it set in the process after the
+    run (the timing epochs of a study, an evaluation, the next run all inherited it); now
+    the trainer's thread callback puts back the count it found when the trainer closes."""
+    from flarepp.train import get_preset, train
+    monkeypatch.setattr("flarepp.train.callbacks.thread_budget", lambda loader_workers=0: 1)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads._Applied, "by_us", True)  # flarepp's own count, not a user's
+    config = get_preset("darcy-tiny", ["epochs=1", "dataset_options={'resolution': 8, "
+                                       "'n_train': 4, 'n_test': 2}", "model.dim=8",
+                                       "model.heads=2", "model.blocks=1", "model.latents=2"])
+    metrics = train(config, tmp_path / "run", data_root=darcy_dir, progress=False)
+    assert metrics["epochs"] == 1
+    log = (tmp_path / "run" / "log.jsonl").read_text()
+    assert '"threads": 1' in log  # the run itself ran at the one usable core's count
+    assert torch.get_num_threads() == 2

@@ -21,7 +21,7 @@ from flarepp.experiments.reports.stats import (choose_setting, interval, length_
 from flarepp.experiments.reports import Report, Row, did_not_fit
 from flarepp.storage.config import FILE_SECTIONS, RunConfig
 from flarepp.tasks.fields import FieldTask
-from flarepp.train import check_run_config, get_preset
+from flarepp.train import validate, get_preset
 
 
 def splits(n_train=10, n_test=3, n_points=12, seed=0) -> DatasetSplits:
@@ -41,7 +41,7 @@ def config(**kw):
     base = dict(name="val-test", dataset="npz", data_root="unused", input_norm="standard",
                 model=dict(mixer="flarepp", dim=8, heads=2, latents=4, blocks=1), epochs=1,
                 batch_size=2, device="cpu")
-    return check_run_config(RunConfig(**{**base, **kw}))
+    return validate(RunConfig(**{**base, **kw}))
 
 
 # -- the validation split ----------------------------------------------------------------------

@@ -30,8 +30,10 @@ returned in the :class:`AllocatorPolicy`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -125,5 +127,56 @@ def malloc_stats() -> dict[str, int] | None:
             "in_use_bytes": info.uordblks, "free_bytes": info.fordblks}
 
 
-__all__ = ["ENV_VAR", "AllocatorPolicy", "apply_policy", "child_environment", "malloc_stats",
+# ---------------------------------------------------------------------------------------------
+# failed allocations
+
+class OutOfMemory(MemoryError):
+    """An allocation failed in a stage of a run; the message is one sentence naming the stage,
+    the bytes asked for, the option that bounds the stage and how the run continues."""
+
+
+_FAILED_ALLOCATION = ("can't allocate memory", "cannot allocate memory", "out of memory",
+                      "unable to allocate")
+"""What the allocators say: torch's host allocator (``DefaultCPUAllocator: can't allocate
+memory: you tried to allocate N bytes``), CUDA's (``CUDA out of memory. Tried to allocate
+2.00 GiB``, :class:`torch.OutOfMemoryError`), numpy's (``Unable to allocate 468. MiB for an
+array with shape ...``), and the kernel's ``ENOMEM``."""
+
+_UNITS = {"b": 1, "bytes": 1, **{f"{p}ib": 2 ** (10 * k) for k, p in enumerate("kmgtpe", 1)},
+          **{f"{p}b": 10 ** (3 * k) for k, p in enumerate("kmgtpe", 1)}}
+_ASKED = re.compile(r"allocate\s+([0-9]+(?:\.[0-9]*)?)\s*(bytes|[KMGTPE]i?B|B)\b", re.IGNORECASE)
+
+
+def is_allocation_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed memory allocation (any of :data:`_FAILED_ALLOCATION`, a
+    ``MemoryError``, an ``OSError`` with ``ENOMEM``), also when a loader worker re-raised it
+    in another type."""
+    if isinstance(err, MemoryError):
+        return True
+    if isinstance(err, OSError) and err.errno == errno.ENOMEM:
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m in text for m in _FAILED_ALLOCATION)
+
+
+def requested_bytes(err: BaseException) -> int | None:
+    """The bytes the failed allocation asked for, read from the allocator's message (None
+    where it does not say)."""
+    match = _ASKED.search(str(err))
+    if match is None:
+        return None
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def format_bytes(count: int) -> str:
+    """``490733568`` -> ``"468 MiB"``: the largest binary unit below the count."""
+    for k in range(6, 0, -1):
+        unit, size = f"{'KMGTPE'[k - 1]}iB", 2 ** (10 * k)
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count} bytes"
+
+
+__all__ = ["ENV_VAR", "AllocatorPolicy", "OutOfMemory", "apply_policy", "child_environment",
+           "format_bytes", "is_allocation_failure", "malloc_stats", "requested_bytes",
            "retain_freed_memory", "retain_memory_requested"]

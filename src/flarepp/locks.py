@@ -33,7 +33,9 @@ on Windows. A :class:`Lease` relies on none of it:
 * **A holder that finds its lease taken over** (the file is gone or carries another token,
   or no heartbeat could be written for a whole grace period) has been judged gone by another
   host: it stops at once without writing more (``on_lost``; by default the process exits with
-  status 75), since the taker now continues its work from the last checkpoint.
+  status 75), since the taker now continues its work from the last checkpoint. It finds out
+  at its next heartbeat, and before each write only the holder may make
+  (:meth:`Lease.verify`: a run checks before every checkpoint and every log line).
 
 :class:`RunLock` is the lease of a run directory (``<run>/.lock``); the experiment engine
 takes one per study point (``claims/<point>/.lock``) and one, held for milliseconds, around a
@@ -111,6 +113,10 @@ def process_alive(pid: int, started: str | None = None) -> bool | None:
 
 class RunLocked(ValueError):
     """The lease (a run directory, a study point) is held by another live process."""
+
+
+class LeaseLost(RuntimeError):
+    """This process's lease was taken over by another (:meth:`Lease.verify`)."""
 
 
 class LockUnavailable(OSError):
@@ -289,6 +295,26 @@ class Lease:
         except OSError as err:  # left behind: judged gone by its pid or heartbeat later
             print(f"flarepp: could not remove the lease {str(self.path)!r} ({err}); it is "
                   "taken over once its holder is judged gone", file=sys.stderr)
+
+    def verify(self) -> None:
+        """Check, before a write that only the holder may make (a checkpoint, a log line),
+        that the lease file still carries this holder's token; if another process took it
+        over (a holder judged gone, e.g. the same host id in another PID namespace), call
+        ``on_lost`` (by default the process exits at once) and raise :class:`LeaseLost`, so
+        nothing more is written. One read of a small file."""
+        if self.holder is None:
+            raise LeaseLost(f"{str(self.path)!r} is not held by this process")
+        try:
+            current = self._read_token()
+        except OSError:
+            return  # a passing filesystem error: the heartbeat judges a lasting one
+        if current == self.holder.token:
+            return
+        reason = ("its file was removed" if current is None else
+                  "another process took it over (it judged this holder gone)")
+        self.on_lost(self, reason)
+        raise LeaseLost(f"lost {str(self.path)!r}: {reason}; nothing more is written (the "
+                        "process that took it over continues from the last checkpoint)")
 
     def __enter__(self) -> "Lease":
         return self.acquire()
@@ -503,5 +529,6 @@ def file_safe(name: str) -> str:
 
 
 __all__ = ["ACQUIRE_PATIENCE_S", "GRACE_S", "HOST_ENV", "LOCK_NAME", "LOST_EXIT",
-           "TAKEOVER_STALE_S", "Lease", "LockHolder", "LockUnavailable", "RunLock", "RunLocked",
-           "Verdict", "file_safe", "host_id", "process_alive", "process_start"]
+           "TAKEOVER_STALE_S", "Lease", "LeaseLost", "LockHolder", "LockUnavailable",
+           "RunLock", "RunLocked", "Verdict", "file_safe", "host_id", "process_alive",
+           "process_start"]

@@ -11,8 +11,14 @@ what was measured (another job started or ended).
 The user's setting wins, and nothing is measured, when there is one: ``--threads N``
 (:func:`set_threads`, which also exports :data:`THREADS_ENV` so that launched workers
 inherit it), ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, or ``torch.set_num_threads`` called
-after flarepp was imported. Measuring is skipped where it cannot pay: one usable core, a
-device other than the CPU, or too few steps to spare the measured ones.
+after flarepp was imported. A setting of more than :data:`THREADS_PER_CORE` threads per
+logical core is refused in a sentence (:func:`check_thread_count`: ``--threads 100000``
+would start threads until none could be started, and threads beyond the cores only wait). Measuring is skipped where it cannot pay: one usable
+core, a device other than the CPU, or too few steps to spare the measured ones.
+
+A tuner changes the count only for the work it times: :meth:`ThreadTuner.restore` puts back
+the count it found (the trainer's thread callback calls it when the trainer closes,
+:mod:`flarepp.train.callbacks`), so a run leaves its process as it found it.
 
 The cores a process may use are the fewest of its CPU affinity, its cgroup's CPU quota
 (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``) and :data:`CORES_ENV`, the share a launcher
@@ -41,6 +47,9 @@ THREADS_ENV = "FLAREPP_THREADS"
 CORES_ENV = "FLAREPP_CORES"
 """The cores this process may use, set by a launcher for each of its workers."""
 USER_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+THREADS_PER_CORE = 4
+"""The most intra-op threads per logical core a user's setting may ask for
+(:func:`check_thread_count`)."""
 DRIFT = 2.0
 """A step time this many times slower or faster than measured starts a new measurement
 (the step times of one count on a shared machine spread by up to 1.8x between windows)."""
@@ -109,20 +118,38 @@ def _positive(text: str | None) -> int | None:
     return value if value > 0 else None
 
 
+def check_thread_count(threads: int, where: str) -> int:
+    """``threads`` if this machine can run that many intra-op threads: at most
+    :data:`THREADS_PER_CORE` per logical core (``os.cpu_count()``); else a ``ValueError``
+    naming ``where`` (the option or environment variable that asked)."""
+    cores = os.cpu_count() or 1
+    most = THREADS_PER_CORE * cores
+    if threads > most:
+        raise ValueError(f"{where} asks for {threads} CPU threads, more than this machine can "
+                         f"run ({THREADS_PER_CORE} per logical core of its {cores}: threads "
+                         "beyond the cores only wait for them, and too many cannot be "
+                         f"started); give at most {most}, or none: flarepp then times the "
+                         "fastest count")
+    return threads
+
+
 def set_threads(threads: int) -> None:
     """The user's ``--threads N``: this process's intra-op threads, and the setting of the
     worker processes it starts (:data:`THREADS_ENV`); nothing is measured."""
+    check_thread_count(threads, "--threads")
     os.environ[THREADS_ENV] = str(threads)
     torch.set_num_threads(threads)
 
 
 def user_threads() -> tuple[int, str] | None:
     """The thread count the user set and where (``--threads``, an environment variable,
-    ``torch.set_num_threads``), or None where the choice is flarepp's."""
+    ``torch.set_num_threads``), or None where the choice is flarepp's; a count above the
+    logical cores is refused (:func:`check_thread_count`)."""
     for name in (THREADS_ENV, *USER_ENVS):
         value = _positive(os.environ.get(name))
         if value:
-            return value, ("--threads" if name == THREADS_ENV else name)
+            where = "--threads" if name == THREADS_ENV else name
+            return check_thread_count(value, where), where
     if torch.get_num_threads() != _TORCH_AT_IMPORT and not _Applied.by_us:
         return torch.get_num_threads(), "torch.set_num_threads"
     return None
@@ -141,7 +168,9 @@ def thread_budget(loader_workers: int = 0) -> int:
 def limit_interop(budget: int) -> None:
     """At most ``budget`` inter-op threads (PyTorch starts one per core): they run beside
     the intra-op ones when work is forked, so they count in the same budget. PyTorch
-    takes the setting only before its inter-op pool started; after that it stays."""
+    takes the setting only before its inter-op pool started, and never gives it back: a
+    setting of the whole process, made by its entry point (``flarepp``'s compute commands,
+    :func:`flarepp.cli.main`), not by a run."""
     if torch.get_num_interop_threads() > budget:
         try:
             torch.set_num_interop_threads(budget)
@@ -213,7 +242,7 @@ class ThreadTuner:
         self.rounds, self.budget_s = rounds, budget_s
         self.window, self.window_s = window, window_s
         self.counts = candidates(budget or thread_budget())
-        limit_interop(self.counts[-1])
+        self._found = (torch.get_num_threads(), _Applied.by_us)  # what restore() puts back
         self.choice = ThreadChoice(torch.get_num_threads(), skip) if skip \
             else self._fixed(steps, torch.device(device))
         self._plan: list[int] = []
@@ -245,6 +274,20 @@ class ThreadTuner:
             return ThreadChoice(torch.get_num_threads(),
                                 f"not measured: {steps} step(s) of work")
         return None
+
+    def restore(self) -> None:
+        """Put back the intra-op thread count this tuner found (the count it chose, or the
+        user's it applied, was the work's only)."""
+        threads, by_us = self._found
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        _Applied.by_us = by_us
+
+    def __enter__(self) -> "ThreadTuner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
     @property
     def measuring(self) -> bool:
@@ -348,7 +391,7 @@ def measure_threads(step: Callable[[], Any], *, budget: int | None = None,
 
 
 __all__ = ["BUDGET_S", "CORES_ENV", "DRIFT", "ROUNDS", "SHARED_BY_RANKS", "THREADS_ENV",
-           "WINDOW_S", "ThreadChoice", "ThreadTuner", "apply_threads", "candidates",
-           "cgroup_cpu_quota", "limit_interop", "measure_threads", "set_threads",
-           "thread_budget",
-           "usable_cores", "user_threads", "worker_share"]
+           "THREADS_PER_CORE", "WINDOW_S", "ThreadChoice", "ThreadTuner", "apply_threads",
+           "candidates", "cgroup_cpu_quota", "check_thread_count", "limit_interop",
+           "measure_threads", "set_threads", "thread_budget", "usable_cores", "user_threads",
+           "worker_share"]

@@ -15,22 +15,28 @@ import sys
 import threading
 from pathlib import Path
 
+from flarepp.allocator import OutOfMemory, apply_policy
+from flarepp.data import DataError
+from flarepp.data.fingerprint import DataMismatch
+from flarepp.distributed import RankFailure
+from flarepp.io import UnreadableFile
+from flarepp.storage.checkpoint import CheckpointError
+from flarepp.storage.locks import LeaseLost
+from flarepp.storage.rundir import RunLocked
+from flarepp.threads import limit_interop, set_threads, thread_budget, user_threads
+from flarepp.train.loop import TrainingInterrupted
+
 
 class CLIError(Exception):
     """A usage error: printed as a sentence without a traceback, exit status 2."""
 
 
-def _runtime_errors() -> tuple[type[BaseException], ...]:
-    """Failures of a valid command (bad data or checkpoint, a busy run directory, a
-    diverged loss, the file system, a failed rank): exit status 1."""
-    from flarepp.data import DataError
-    from flarepp.distributed import RankFailure
-    from flarepp.storage.checkpoint import CheckpointError
-    from flarepp.data.fingerprint import DataMismatch
-    from flarepp.io import UnreadableFile
-    from flarepp.storage.rundir import RunLocked
-    return (DataError, CheckpointError, RunLocked, DataMismatch, FloatingPointError, OSError,
-            RankFailure, UnreadableFile)
+RUNTIME_ERRORS: tuple[type[BaseException], ...] = (
+    DataError, CheckpointError, RunLocked, LeaseLost, DataMismatch, FloatingPointError, OSError,
+    RankFailure, UnreadableFile, OutOfMemory)
+"""Failures of a valid command (bad data or checkpoint, a busy run directory, a lost lease, a
+diverged loss, the file system, a failed rank, a failed allocation named by its stage): exit
+status 1."""
 
 
 class Terminated(BaseException):
@@ -80,16 +86,6 @@ def say(line: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def parse_scalar(text: str) -> int | float | str:
-    """A ``KEY=VALUE`` option's value: an int, else a float, else the text itself."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
-
-
 def at_least(low: int):
     """An argparse ``type`` for an integer option that must be ``>= low``: anything else
     is a usage error naming the option and the value (exit status 2)."""
@@ -129,17 +125,10 @@ COMPUTE_COMMANDS = frozenset({"train", "eval", "infer", "bench", "demo", "compar
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from flarepp.train.loop import TrainingInterrupted
-    runtime = _runtime_errors()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        if args.command in COMPUTE_COMMANDS:
-            from flarepp.allocator import apply_policy
-            args.allocator = apply_policy()
-        if getattr(args, "run_threads", None):
-            from flarepp.threads import set_threads
-            set_threads(args.run_threads)
+        _process_settings(args)
         return int(args.func(args) or 0)
     except TrainingInterrupted as err:
         print(f"flarepp {args.command}: {err}", file=sys.stderr)
@@ -149,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flarepp {args.command}: {'interrupted' if code == 130 else 'terminated'} "
               "(no output is half-written: files are replaced atomically)", file=sys.stderr)
         return code
-    except runtime as err:
+    except RUNTIME_ERRORS as err:
         print(f"flarepp {args.command}: error: {_sentence(err)}", file=sys.stderr)
         return 1
     except MemoryError as err:  # numpy's message says how much one allocation needed
@@ -161,5 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["COMPUTE_COMMANDS", "CLIError", "add_threads_argument", "at_least", "build_parser",
-           "check_output", "main", "parse_scalar", "say"]
+def _process_settings(args: argparse.Namespace) -> None:
+    """What a command sets for its whole process, before it starts: the host allocator
+    policy and the inter-op thread budget of the compute commands; ``--threads``; a thread
+    count from the environment above what the machine can run is refused here, before any
+    work (:func:`flarepp.threads.check_thread_count`)."""
+    if args.command in COMPUTE_COMMANDS:
+        args.allocator = apply_policy()
+        user_threads()
+        limit_interop(thread_budget())
+    if getattr(args, "run_threads", None):
+        set_threads(args.run_threads)
+
+
+__all__ = ["COMPUTE_COMMANDS", "CLIError", "RUNTIME_ERRORS", "add_threads_argument", "at_least",
+           "build_parser", "check_output", "main", "say"]

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, parse_scalar, say
+from flarepp.cli import CLIError, say
+from flarepp.values import parse_assignments
 
 
 def _positive(text: str) -> int:
@@ -75,12 +76,7 @@ def _check(args: argparse.Namespace) -> int:
                else "sizes; sampled digests where times differ")
         print(f"every array is as written ({how})")
         return 0
-    options = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--option expects key=value, got {item!r}")
-        options[key] = parse_scalar(value)
+    options = parse_assignments(args.option, "--option")
     splits = load_dataset(args.dataset, args.path, **options)
     for split in ("train", "test"):
         samples = getattr(splits, split)

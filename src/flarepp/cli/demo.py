@@ -14,7 +14,7 @@ def _demo(args: argparse.Namespace) -> int:
     from flarepp.storage.rundir import RunDir
     from flarepp.tasks import plot_run_dir
     from flarepp.train import get_preset, train
-    from flarepp.train.loop import WEIGHTS_NAME
+    from flarepp.train.callbacks import WEIGHTS_NAME
 
     data = Path(args.data)
     if not any(data.glob("piececonst_r*_N*_smooth1.mat")):

@@ -19,8 +19,15 @@ import os
 import sys
 import time
 
-from flarepp.cli import CLIError, at_least
-from flarepp.device import DEVICE_HELP
+import torch
+
+from flarepp.allocator import is_allocation_failure
+from flarepp.cli import CLIError, Terminated, at_least
+from flarepp.device import DEVICE_HELP, memory_bounds, resolve_device
+from flarepp.models.causal_lm import generate_stream
+from flarepp.models.decoding import state_bytes
+from flarepp.storage.checkpoint import load_causal_lm
+from flarepp.storage.rundir import RunDir
 
 
 def _finite_non_negative(text: str) -> float:
@@ -41,8 +48,6 @@ def _check_memory(model, prompt_tokens: int, new_tokens: int, device) -> None:
     Causal attention's KV cache grows by ``2 H D`` numbers per block and token and is
     reserved for the prompt and every new token up front; causal FLARE's state has a fixed
     size, so only time bounds its request (and the output is streamed)."""
-    from flarepp.device import memory_bounds
-    from flarepp.models.decoding import state_bytes
     per_token = (state_bytes(model.initial_state(1, capacity=2))[1]
                  - state_bytes(model.initial_state(1, capacity=1))[1])
     if per_token <= 0:
@@ -58,13 +63,6 @@ def _check_memory(model, prompt_tokens: int, new_tokens: int, device) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from flarepp.cli import Terminated
-    from flarepp.device import resolve_device
-    from flarepp.models.causal_lm import generate_stream
-    from flarepp.models.decoding import state_bytes
-    from flarepp.storage.checkpoint import load_causal_lm
     prompt = args.prompt.encode("utf-8")
     if not prompt:
         raise CLIError("--prompt must hold at least one character")
@@ -94,8 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         stopped = "the reader closed the output"
     except RuntimeError as err:   # the allocator, past what _check_memory could foresee
-        if "can't allocate memory" not in str(err) and not isinstance(
-                err, torch.OutOfMemoryError):
+        if not is_allocation_failure(err):
             raise
         raise MemoryError(f"the decoding state for {len(prompt) + args.max_new_tokens} "
                           f"tokens could not be allocated on {device} "
@@ -123,7 +120,6 @@ def _generate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a trained causal LM checkpoint "
                                         "(e.g. of the lm-tiny preset)")
-    from flarepp.storage.rundir import RunDir
     p.add_argument("checkpoint", help=f"a run's checkpoint, e.g. "
                                       f"runs/lm-tiny/{RunDir.CHECKPOINTS}/epoch_0008.pt")
     p.add_argument("--prompt", default="def ", help="text to continue (UTF-8 bytes)")

@@ -13,7 +13,8 @@ import argparse
 
 import numpy as np
 
-from flarepp.cli import CLIError, at_least, parse_scalar
+from flarepp.cli import CLIError, at_least
+from flarepp.values import parse_assignments
 
 _TASK_OF = {"listops": "listops", "pathfinder": "pathfinder32"}
 _FLAGS = {"listops": ("n_train", "n_val", "n_test", "min_length", "max_length", "max_depth",
@@ -43,12 +44,7 @@ def _make(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from flarepp.data.lra import load_lra
-    options = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--option expects key=value, got {item!r}")
-        options[key] = parse_scalar(value)
+    options = parse_assignments(args.option, "--option")
     data = load_lra(args.dataset, args.path, **options)
     print(f"{data.task} from {data.source}: vocabulary {data.vocab_size}, "
           f"{data.num_classes} classes, max length {data.max_length}")

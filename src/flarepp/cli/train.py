@@ -8,14 +8,23 @@ import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, add_threads_argument, at_least, check_output
-from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS
+from flarepp.cli.tracking import add_tracking_arguments, track_settings
+from flarepp.data.generators import how_to_get
+from flarepp.data.store import MANIFEST
+from flarepp.device import DEVICE_HELP, PRECISION_HELP, PRECISIONS, resolve_device
+from flarepp.distributed.mesh import launch
+from flarepp.inference.evaluate import write_checkpoint_outputs
+from flarepp.io import atomic_write_json
+from flarepp.storage.checkpoint import CheckpointError, newest_readable_checkpoint
+from flarepp.storage.config import RunConfig
+from flarepp.storage.rundir import RunDir, run_checkpoint
+from flarepp.tasks import plot_run_dir
+from flarepp.train import (PRESETS, Trainer, apply_overrides, evaluate_checkpoint, get_preset,
+                           validate)
+from flarepp.train.loop import INIT_NORMALIZERS
 
 
 def _train(args: argparse.Namespace) -> int:
-    from flarepp.device import resolve_device
-    from flarepp.distributed.mesh import launch
-    from flarepp.cli.tracking import track_settings
-    from flarepp.train import Trainer
     track = track_settings(args)
     overrides = list(args.set or [])
     for key in ("precision", "device"):
@@ -28,7 +37,6 @@ def _train(args: argparse.Namespace) -> int:
     config = _run_config(args, overrides)
     data = Path(args.data or config.data_root)
     if not data.exists():
-        from flarepp.data.generators import how_to_get
         raise CLIError(f"data directory {str(data)!r} does not exist (give --data, or "
                        f"{how_to_get(config.dataset, str(data))})")
     out = check_output(args.out or f"runs/{config.name}", directory=True)
@@ -60,8 +68,6 @@ def _train(args: argparse.Namespace) -> int:
 def _run_config(args: argparse.Namespace, overrides: list[str]):
     """The run's config, checked before any data is read: a preset, a run's own
     ``config.json`` (``--config``), or the ``npz`` preset for ``--data`` alone."""
-    from flarepp.storage.rundir import RunDir
-    from flarepp.train import RunConfig, apply_overrides, get_preset
     if args.config and args.preset:
         raise CLIError("give a preset or --config, not both")
     if args.config:
@@ -84,21 +90,18 @@ def _run_config(args: argparse.Namespace, overrides: list[str]):
     if args.preset is None and not args.data:
         raise CLIError(f"give a preset (see `flarepp presets`), --config RUN/{RunDir.CONFIG}, "
                        "or --data YOUR.npz")
-    from flarepp.data.store import MANIFEST
     own = "store-tiny" if args.data and (Path(args.data) / MANIFEST).is_file() else "npz"
     return get_preset(args.preset or own, overrides)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from flarepp.io import atomic_write_json
-    from flarepp.storage.rundir import run_checkpoint
-    from flarepp.train import evaluate_checkpoint
     if args.json:
         check_output(args.json, directory=False, option="--json")
     checkpoint = run_checkpoint(args.checkpoint)   # a run directory: its reported one
     metrics = evaluate_checkpoint(checkpoint, data_root=args.data, device=args.device,
                                   chunk_size=args.chunk_size, precision=args.precision,
-                                  say=lambda line: print(line, file=sys.stderr))
+                                  say=lambda line: print(line, file=sys.stderr),
+                                  check=validate)
     if args.json:
         atomic_write_json(Path(args.json), metrics)
     print(json.dumps(metrics, indent=2))
@@ -109,8 +112,6 @@ def check_own_checkpoint(run, path: Path, state: dict) -> None:
     """Refuse to predict ``run``'s outputs from a checkpoint another run wrote (copied into
     its ``checkpoints/``): its stored config must compute what ``run``'s stored config does
     (runtime fields and the data's path aside)."""
-    from flarepp.storage.checkpoint import CheckpointError
-    from flarepp.storage.config import RunConfig
     mine, its = ({k: v for k, v in c.identity().items() if k != "data_root"}
                  for c in (run.read_config(), RunConfig.from_stored(state["config"])))
     keys = sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k))
@@ -121,14 +122,10 @@ def check_own_checkpoint(run, path: Path, state: dict) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from flarepp.storage.rundir import RunDir
-    from flarepp.tasks import plot_run_dir
     run_dir = Path(args.run_dir)
     if RunDir(run_dir).config_path.is_file() and not RunDir(run_dir).has_metrics():
         # A run stopped before its end has no final outputs: predict them from its newest
         # readable checkpoint (the only step of `plot` that runs a model, on --device).
-        from flarepp.storage.checkpoint import newest_readable_checkpoint
-        from flarepp.inference.evaluate import write_checkpoint_outputs
         found = newest_readable_checkpoint(run_dir)
         if found.path is None:
             raise CLIError(f"{str(run_dir)!r} has no finished outputs and no readable "
@@ -152,52 +149,9 @@ def _context_parallel(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.tracking import add_tracking_arguments
-    from flarepp.storage.rundir import RunDir
-    from flarepp.train import PRESETS
-    from flarepp.train.loop import INIT_NORMALIZERS
-    p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
-    p.add_argument("preset", nargs="?",
-                   help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
-                        "store-tiny for a store, npz for your own .npz)")
-    p.add_argument("--config", metavar="CONFIG_JSON",
-                   help=f"train the config a run wrote (RUN/{RunDir.CONFIG}) instead of a "
-                        "preset")
-    p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
-    p.add_argument("--out", help="run directory (default: runs/PRESET)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set model.latents=32 (repeatable)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--device", help=f"where to train: {DEVICE_HELP} (default: the config's, "
-                                    "auto)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile every block (off by default; the first steps compile)")
-    p.add_argument("--workers", type=at_least(0), metavar="W",
-                   help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--init-from", metavar="RUN",
-                   help="fine-tune: start from this run's weights (a run directory or a "
-                        "checkpoint; the same architecture) with a new optimiser on --data")
-    p.add_argument("--init-normalizers", choices=INIT_NORMALIZERS, default="keep",
-                   help="with --init-from: keep its input/output normalisers (default) or "
-                        "refit them on this run's training data")
-    p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
-                   help="stop after this many epochs (resume later with --resume)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
-    p.add_argument("--data-parallel", action="store_true",
-                   help="under torchrun: split every global batch over the ranks "
-                        "(DistributedDataParallel); with --context-parallel K, over groups "
-                        "of K ranks")
-    p.add_argument("--context-parallel", type=_context_parallel, nargs="?", const=0,
-                   metavar="K",
-                   help="under torchrun: split every mesh's points over K ranks (default: "
-                        "all ranks), paper Appendix B")
-    add_tracking_arguments(p)
-    add_threads_argument(p)
-    p.set_defaults(func=_train)
-
+    _register_train(sub)
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint, or a run directory (its reported one)")
     e.add_argument("--data", help="dataset directory (default: the run's)")
     e.add_argument("--json", help=f"write the metrics here (same keys as {RunDir.METRICS})")
     e.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -221,3 +175,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("presets", help="list the training presets")
     s.set_defaults(func=lambda a: print("\n".join(
         f"{n:22s} {PRESETS.entry(n).doc}" for n in PRESETS.names())) or 0)
+
+
+def _register_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a preset (see `flarepp presets`)")
+    p.add_argument("preset", nargs="?",
+                   help=f"one of: {', '.join(PRESETS.names())} (default with --data alone: "
+                        "store-tiny for a store, npz for your own .npz)")
+    p.add_argument("--config", metavar="CONFIG_JSON",
+                   help=f"train the config a run wrote (RUN/{RunDir.CONFIG}) instead of a "
+                        "preset")
+    p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
+    p.add_argument("--out", help="run directory (default: runs/PRESET)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set model.latents=32 (repeatable)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device", help=f"where to train: {DEVICE_HELP} (default: the config's, "
+                                    "auto)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block (off by default; the first steps compile)")
+    p.add_argument("--workers", type=at_least(0), metavar="W",
+                   help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--init-from", metavar="RUN",
+                   help="fine-tune: start from this run's weights (a run directory or a "
+                        "checkpoint; the same architecture) with a new optimiser on --data; "
+                        "give about a third of the preset's lr (README: Fine-tuning)")
+    p.add_argument("--init-normalizers", choices=INIT_NORMALIZERS, default="keep",
+                   help="with --init-from: keep its input/output normalisers (default) or "
+                        "refit them on this run's training data")
+    p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
+                   help="stop after this many epochs (resume later with --resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="under torchrun: split every global batch over the ranks "
+                        "(DistributedDataParallel); with --context-parallel K, over groups "
+                        "of K ranks")
+    p.add_argument("--context-parallel", type=_context_parallel, nargs="?", const=0,
+                   metavar="K",
+                   help="under torchrun: split every mesh's points over K ranks (default: "
+                        "all ranks), paper Appendix B")
+    add_tracking_arguments(p)
+    add_threads_argument(p)
+    p.set_defaults(func=_train)

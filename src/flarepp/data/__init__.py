@@ -12,7 +12,7 @@ from flarepp.data.base import (ChannelStatistics, DataError, DatasetSplits, Data
                                MeshSamples, Normalizer, RunningMoments, subset_points,
                                validation_indices)
 from flarepp.data.layout import ChannelGroup, ChannelLayout
-from flarepp.data.registry import DATASETS
+from flarepp.data.registry import DATASETS, OPTION_CHECKS
 from flarepp.data import loaders as _loaders  # noqa: F401  (registers the loaders)
 from flarepp.data import lra as _lra  # noqa: F401  (registers the Long Range Arena readers)
 from flarepp.data import rollout as _rollout  # noqa: F401  (registers "advection-diffusion")
@@ -30,6 +30,6 @@ def load_dataset(name: str, root: str | Path, **options: Any) -> DatasetSplits:
     return loader(root, **options).validate()
 
 
-__all__ = ["ChannelGroup", "ChannelLayout", "ChannelStatistics", "DATASETS", "DataError",
+__all__ = ["ChannelGroup", "ChannelLayout", "ChannelStatistics", "DATASETS", "DataError", "OPTION_CHECKS",
            "DataWarning", "DatasetSplits", "MeshSamples", "Normalizer", "RunningMoments",
            "load_dataset", "subset_points", "validation_indices"]

@@ -57,7 +57,7 @@ from flarepp.data.base import (ChannelStatistics, DataError, DatasetSplits, Runn
                                SplitStatistics)
 from flarepp.data.fingerprint import data_fingerprint, file_sha256, sampled_digest
 from flarepp.data.layout import ChannelLayout
-from flarepp.data.registry import DATASETS
+from flarepp.data.registry import DATASETS, OPTION_CHECKS
 from flarepp.io import (UnreadableFile, UnsafeName, atomic_write_all, check_name, confined,
                         is_temporary, read_json, save_npy)
 from flarepp.locks import LOCK_NAME, Lease, Verdict
@@ -772,6 +772,23 @@ def _units(layout: ChannelLayout) -> str:
     return ", ".join(u for u in units if u) or "units not given"
 
 
+def check_store_options(*, points_per_step: int | None = None,
+                        conditions: list[str] | None = None, n_train: int | None = None,
+                        n_test: int | None = None) -> None:
+    """The store's options as a run config states them (a usage error, ``ValueError``,
+    naming the key): counts are positive integers, ``conditions`` a list of names. Run
+    configs are checked with it before any data is read (:data:`OPTION_CHECKS`)."""
+    for key, value in (("points_per_step", points_per_step), ("n_train", n_train),
+                       ("n_test", n_test)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"dataset_options.{key} must be a positive integer, got {value!r}")
+    if conditions is not None and not (isinstance(conditions, list)
+                                       and all(isinstance(c, str) for c in conditions)):
+        raise ValueError(f"dataset_options.conditions must be a list of condition names, got "
+                         f"{conditions!r}")
+
+
 def load_store(root: Path, *, points_per_step: int | None = None,
                conditions: list[str] | None = None, n_train: int | None = None,
                n_test: int | None = None) -> DatasetSplits:
@@ -780,16 +797,9 @@ def load_store(root: Path, *, points_per_step: int | None = None,
     ``points_per_step``: training items are a random subset of that many rows of a sample
     (a new one every step; evaluation uses every row); ``conditions``: the per-sample
     conditions to use (default all of the store's, ``[]`` none); ``n_train`` / ``n_test``
-    keep the first samples of each split."""
-    for key, value in (("points_per_step", points_per_step), ("n_train", n_train),
-                       ("n_test", n_test)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise DataError(f"dataset_options.{key} must be a positive integer, got {value!r}")
-    if conditions is not None and not (isinstance(conditions, list)
-                                       and all(isinstance(c, str) for c in conditions)):
-        raise DataError(f"dataset_options.conditions must be a list of condition names, got "
-                        f"{conditions!r}")
+    keep the first samples of each split (:func:`check_store_options`)."""
+    check_store_options(points_per_step=points_per_step, conditions=conditions,
+                        n_train=n_train, n_test=n_test)
     store = MeshStore(root)
     columns = store.condition_columns(conditions)
     names = [store.layout.condition_names[k] for k in columns]
@@ -805,6 +815,7 @@ def load_store(root: Path, *, points_per_step: int | None = None,
 DATASETS.add("store", load_store,
              doc="a flarepp store (`flarepp data convert`): per-sample .npy arrays, read "
                  "lazily, optional per-sample conditions (fields task)")
+OPTION_CHECKS["store"] = check_store_options
 
 
 __all__ = ["CONVERT_RECORD", "MANIFEST", "MeshStore", "RESERVED", "SAMPLE_META", "StoreLock",

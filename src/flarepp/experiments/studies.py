@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,87 +34,10 @@ from flarepp.train import get_preset
 from flarepp.train.checks import apply_overrides
 from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 from flarepp.train.presets import lra_run_config
+from flarepp.values import Range, parse_axes, parse_range, split_values
 
 # ---------------------------------------------------------------------------------------------
-# the grid of a sweep
-
-
-def split_values(text: str) -> list[str]:
-    """``"flare,flarepp"`` -> ``["flare", "flarepp"]``; commas inside brackets or quotes
-    belong to one value (``"[none,standard],standard"`` is two values)."""
-    values, depth, quote, start = [], 0, None, 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            values.append(text[start:i].strip())
-            start = i + 1
-    values.append(text[start:].strip())
-    if any(not v for v in values):
-        raise ValueError(f"--grid: empty value in {text!r}")
-    return values
-
-
-def parse_axes(items: list[str]) -> list[tuple[str, list[str]]]:
-    """``["seed=0,1", "model.blocks=2,4"]`` -> ``[("seed", ["0", "1"]), ...]``."""
-    axes: list[tuple[str, list[str]]] = []
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--grid expects KEY=V1,V2,..., got {item!r}")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        if key in (k for k, _ in axes):
-            raise ValueError(f"--grid: key {key!r} given twice")
-        values = split_values(text)
-        if len(set(values)) != len(values):
-            raise ValueError(f"--grid {key}: repeated value in {values}")
-        axes.append((key, values))
-    return axes
-
-
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_RANGE = re.compile(rf"^(?P<low>{_NUMBER})(?P<sep>:|\.\.)(?P<high>{_NUMBER})(?P<log>:log)?$")
-
-
-@dataclass(frozen=True)
-class Range:
-    """A search axis's interval, both ends included: real numbers ``LOW:HIGH`` (uniform)
-    or ``LOW:HIGH:log`` (log-uniform), integers ``LOW..HIGH`` or ``LOW..HIGH:log``."""
-
-    low: float
-    high: float
-    integer: bool
-    log: bool
-
-    def text(self) -> str:
-        ends = (f"{int(self.low)}..{int(self.high)}" if self.integer
-                else f"{self.low:g}:{self.high:g}")
-        return ends + (":log" if self.log else "")
-
-
-def parse_range(key: str, text: str) -> Range | None:
-    """The range ``text`` writes (:class:`Range`), or None when it is not one (a value)."""
-    match = _RANGE.match(text.strip())
-    if match is None:
-        return None
-    integer, log = match["sep"] == "..", bool(match["log"])
-    kind = int if integer else float
-    try:
-        low, high = kind(match["low"]), kind(match["high"])
-    except ValueError:
-        raise ValueError(f"--grid {key}={text}: an integer range is LOW..HIGH with whole "
-                         "numbers (a real one LOW:HIGH)") from None
-    if not low < high:
-        raise ValueError(f"--grid {key}={text}: the range's low end must be below its high end")
-    if log and low <= 0:
-        raise ValueError(f"--grid {key}={text}: a log range needs a positive low end")
-    return Range(low, high, integer, log)
+# the grid of a sweep (its syntax, ``--grid KEY=V1,V2`` and ranges, is read by flarepp.values)
 
 
 def _slug(text: str) -> str:

@@ -66,13 +66,18 @@ def evaluate_weights(engine: Engine, split: str, batch_size: int,
 
 
 def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None,
-                        device: str | torch.device | None = "auto", ema: bool | None = None
+                        device: str | torch.device | None = "auto", ema: bool | None = None,
+                        check: Callable[[RunConfig], Any] | None = None
                         ) -> tuple[torch.nn.Module, Task, RunConfig, dict[str, Any]]:
     """``(model on device, task with the checkpoint's normalisers, config, state)``; the
     model's weights are the EMA ones, the raw ones, or (``ema=None``) those the run reports
-    (:func:`flarepp.storage.checkpoint.rebuild_model`)."""
+    (:func:`flarepp.storage.checkpoint.rebuild_model`). ``check``: the entry point's check
+    of the stored config (``flarepp eval``: :func:`flarepp.train.validate`), before any
+    data is read."""
     state = read_checkpoint(path)
     config = RunConfig.from_stored(state["config"])
+    if check is not None:
+        check(config)
     model = rebuild_model(state, path, ema=ema)
     task = build_task(config, data_root if data_root is not None else run_data(state, config))
     task.check_model(state["model_config"])
@@ -85,7 +90,8 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
                         chunk_size: int | None = None, parallel: ParallelPlan = SINGLE,
                         splits: tuple[str, ...] | None = None,
                         precision: str | None = None,
-                        say: Callable[[str], None] | None = None) -> dict[str, Any]:
+                        say: Callable[[str], None] | None = None,
+                        check: Callable[[RunConfig], Any] | None = None) -> dict[str, Any]:
     """Metrics of a checkpoint's raw and EMA weights, keyed as in ``metrics.json``
     (:func:`weight_metrics`; the headline is the run's ``eval_weights``), and the CPU
     threads it ran with (``threads``: timed on its first forwards, :mod:`flarepp.threads`;
@@ -94,9 +100,10 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     ``precision`` (``fp32``, ``bf16``, ``fp16``) runs the model under that autocast instead
     of the run's own (``config.precision``): e.g. an FP32-trained model evaluated with BF16
     matrix products, FP32 accumulation (paper D.2 measures 16-bit inference against FP32);
-    the metrics name the precision they were computed in."""
+    the metrics name the precision they were computed in. ``check``: as
+    :func:`load_for_evaluation`'s. The thread count it times is put back at the end."""
     model, task, config, state = load_for_evaluation(path, data_root=data_root,
-                                                     device=device, ema=False)
+                                                     device=device, ema=False, check=check)
     device = next(model.parameters()).device
     models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
     precision = precision or config.precision
@@ -111,14 +118,13 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
         for each in models.values():
             context_parallel(each, parallel.cp_group)
     metrics: dict[str, Any] = {}
-    for split in splits or task.eval_splits:
-        results = evaluate_weights(engine, split, task.eval_batch_size(), models,
-                                   same=config.ema_decay == 0)
-        by_weights = {w: result for w, (result, _) in results.items()}
-        metrics.update(weight_metrics(split, task.headline, by_weights, config.eval_weights,
-                                      task.reported))
-        if "zero_target_samples" in by_weights["raw"]:
-            metrics[f"{split}_zero_target_samples"] = by_weights["raw"]["zero_target_samples"]
+    with threads:  # the thread count it times is put back at the end
+        for split in splits or task.eval_splits:
+            results = evaluate_weights(engine, split, task.eval_batch_size(), models,
+                                       same=config.ema_decay == 0)
+            by_weights = {w: result for w, (result, _) in results.items()}
+            metrics.update(weight_metrics(split, task.headline, by_weights,
+                                          config.eval_weights, task.reported))
     metrics.update({"eval_weights": config.eval_weights, "precision": precision,
                     "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),

@@ -33,6 +33,7 @@ from flarepp.data import Normalizer
 from flarepp.device import HOST
 from flarepp.io import atomic_write, is_temporary
 from flarepp.models import Surrogate, model_from_config
+from flarepp.models.causal_lm import CausalLM
 from flarepp.storage.config import RunConfig, stored_version
 from flarepp.storage.rundir import CHECKPOINT_NAME, RunDir, checkpoint_epoch
 
@@ -225,12 +226,6 @@ def newest_readable_checkpoint(out_dir: str | Path) -> CheckpointSearch:
     return CheckpointSearch(None, None, unreadable)
 
 
-def prune_checkpoints(out_dir: str | Path, keep: int | None, *,
-                      best: Path | None = None) -> list[Path]:
-    """The retention policy of a run's checkpoints (:meth:`RunDir.prune_checkpoints`)."""
-    return RunDir(out_dir).prune_checkpoints(keep, best=best)
-
-
 def remove_stale_temporaries(out_dir: str | Path) -> list[Path]:
     """Delete the temporaries that killed atomic writes left in ``out_dir``; returns them.
 
@@ -349,7 +344,6 @@ def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None =
                    ) -> nn.Module:
     """The token decoder of a checkpoint (by default with the weights the run reports,
     :func:`rebuild_model`), on ``device``, eval mode."""
-    from flarepp.models.causal_lm import CausalLM
     state = read_checkpoint(path)
     model = rebuild_model(state, path, ema=ema)
     if not isinstance(model, CausalLM) or not model.takes_tokens:
@@ -362,7 +356,6 @@ def load_causal_lm(path: str | Path, *, device: torch.device, ema: bool | None =
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "CheckpointSearch", "FORMAT_VERSION",
            "MAP_ROLES", "TrainedModel", "atomic_write", "checkpoints_newest_first",
            "load_causal_lm", "load_trained_model", "mesh_normalizers", "rebuild_model",
-           "rebuild_surrogate", "unit_maps",
-           "newest_readable_checkpoint", "portable_state", "prune_checkpoints",
+           "rebuild_surrogate", "unit_maps", "newest_readable_checkpoint", "portable_state",
            "read_checkpoint", "remove_stale_temporaries", "save_checkpoint",
            "checkpoint_epoch"]

@@ -1,11 +1,13 @@
-"""Run configuration (paper Tables 7-8, C.2; the FLARE study's protocol) and ``--set`` overrides.
+"""Run configuration (paper Tables 7-8, C.2; the FLARE study's protocol): the data and its
+migration.
 
-A :class:`RunConfig` is checked when it is made -- every field's type, every ``model`` key
-against the chosen architecture's (and mixer's) config class, every ``dataset_options`` key
-against the dataset loader's options -- so a typo or a bad value fails at once, naming the
-key and the known ones, before any data is read or any model is built. The checks that
-belong to higher floors (the task's own options, the optimiser's rules) are added by
-:func:`flarepp.train.check_run_config`, which every preset and command applies.
+A :class:`RunConfig` holds what a run depends on and how it is stored; it checks nothing
+itself. Its one check -- every field's type and range, every ``model`` key against the
+chosen architecture's (and mixer's) config class, every ``dataset_options`` key against the
+dataset loader's options, the task's own options, the optimiser's rules -- is
+:func:`flarepp.train.validate`, on the trainer's floor, which every entry point (``train``,
+a sweep's points, ``eval``, presets, ``--set`` through :func:`flarepp.train.apply_overrides`,
+the trainer itself) applies before any data is read or any model is built.
 
 Stored configs carry :data:`CONFIG_VERSION`: :meth:`RunConfig.from_stored` reads what a run
 stored (an unversioned one trained the :data:`LEGACY_PROTOCOL`), :meth:`RunConfig.from_dict`
@@ -14,17 +16,13 @@ what a user wrote (today's defaults for whatever it leaves out).
 
 from __future__ import annotations
 
-import ast
-import copy
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from flarepp.device import PRECISIONS
-from flarepp.validate import require_positive
+from flarepp.models import MODELS, SurrogateConfig
+from flarepp.rank_growth import LatentSchedule
 
 # How a run executes, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size",
@@ -177,94 +175,11 @@ class RunConfig:
     keep_checkpoints: int | None = 3
 
     def __post_init__(self) -> None:
-        check_types(self, "run config")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {self.precision!r}")
-        require_positive(self, ("epochs", "batch_size", "checkpoint_every", "eval_every"))
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1) (the share of the training "
-                             f"split held out for validation), got {self.val_fraction}")
-        self.betas = tuple(self.betas)
-        if self.momentum_cycle is not None:
+        # JSON has no tuples: a stored or typed pair reads as a list
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
+        if isinstance(self.momentum_cycle, list):
             self.momentum_cycle = tuple(self.momentum_cycle)
-            base, top = self.momentum_cycle
-            if not 0.0 <= base <= top < 1.0:
-                raise ValueError(f"momentum_cycle must be (base, max) with 0 <= base <= max "
-                                 f"< 1, got {self.momentum_cycle}")
-        if isinstance(self.attn_scale, str) and self.attn_scale not in ATTN_SCALE_WORDS:
-            raise ValueError(f"attn_scale must be a positive number or one of "
-                             f"{', '.join(ATTN_SCALE_WORDS)}, got {self.attn_scale!r}")
-        if not isinstance(self.attn_scale, str) and not self.attn_scale > 0:
-            raise ValueError(f"attn_scale must be positive, got {self.attn_scale}")
-        if self.eval_weights not in EVAL_WEIGHTS:
-            raise ValueError(f"eval_weights must be one of {', '.join(EVAL_WEIGHTS)}, got "
-                             f"{self.eval_weights!r}")
-        if self.latent_schedule is not None:
-            last = self.schedule().milestones[-1][0]  # parses, or raises naming the problem
-            if last >= self.epochs:
-                raise ValueError(f"latent_schedule {self.latent_schedule!r}: the growth at "
-                                 f"epoch {last} never happens in a run of epochs={self.epochs} "
-                                 f"(growth epochs count from 0 and must be below {self.epochs})")
-        if self.loader_workers < -1:
-            raise ValueError(f"loader_workers must be -1 (automatic) or a count >= 0, got "
-                             f"{self.loader_workers}")
-        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be at least 1 (the checkpoint to resume "
-                             f"from), or None to keep every one; got {self.keep_checkpoints}")
-        self._check_model()
-        self._check_dataset()
-
-    # -- checks against the registries -----------------------------------------------------
-    def _check_model(self) -> None:
-        """Every ``model`` key a field of the architecture's (and mixer's) config class,
-        with a value of that field's type."""
-        from flarepp.models import MODELS
-        model = dict(self.model)
-        arch = model.pop("arch", "surrogate")
-        cls = model_config_class(arch)
-        data_fields = {"in_dim", "out_dim"}
-        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in data_fields}
-        unknown = sorted(set(model) - set(known))
-        if unknown:
-            raise ValueError(f"model key(s) {unknown} unknown to architecture {arch!r}; "
-                             f"its keys: arch, {', '.join(sorted(known))} (in_dim and out_dim "
-                             "come from the data)")
-        check_types(model, f"model ({arch})", hints=_type_hints(cls))
-        if not isinstance(self.attn_scale, str) and "attn_scale" not in known:
-            raise ValueError(f"attn_scale={self.attn_scale} given, but architecture {arch!r} "
-                             "has no SDPA scale option")
-        mixer = model.get("mixer", _field_default(cls, "mixer"))
-        if mixer is not None and "mixer" in known:
-            from flarepp.mixers import MIXERS
-            mixer_cls = MIXERS.get(mixer).config_cls
-            shared = {"dim", "heads", "latents", "norm", "attn_scale"}
-            options = dict(model.get("mixer_options") or {})
-            allowed = {f.name for f in dataclasses.fields(mixer_cls)} - shared
-            bad = sorted(set(options) - allowed)
-            if bad:
-                known = ", ".join(sorted(allowed)) or "(none)"
-                raise ValueError(f"model.mixer_options key(s) {bad} unknown to mixer "
-                                 f"{mixer!r}; its options: {known}")
-            check_types(options, f"model.mixer_options ({mixer})",
-                        hints=_type_hints(mixer_cls))
-        MODELS.entry(arch)
-
-    def _check_dataset(self) -> None:
-        """The dataset registered, ``dataset_options`` among its loader's keyword options."""
-        import inspect
-
-        from flarepp.data import DATASETS
-        loader = DATASETS.get(self.dataset)
-        params = {name: p for name, p in inspect.signature(loader).parameters.items()
-                  if name != "root" and p.kind is inspect.Parameter.KEYWORD_ONLY}
-        unknown = sorted(set(self.dataset_options) - set(params))
-        if unknown:
-            raise ValueError(f"dataset_options key(s) {unknown} unknown to dataset "
-                             f"{self.dataset!r}; its options: "
-                             f"{', '.join(sorted(params)) or '(none)'}")
-        hints = _type_hints(getattr(loader, "__wrapped__", loader))
-        check_types(self.dataset_options, f"dataset_options ({self.dataset})", hints=hints)
 
     # -- views -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -333,11 +248,10 @@ class RunConfig:
                              "least its dataset")
         return cls(**d)
 
-    def schedule(self):
+    def schedule(self) -> LatentSchedule | None:
         """The :class:`flarepp.rank_growth.LatentSchedule` of ``latent_schedule`` (or None)."""
         if self.latent_schedule is None:
             return None
-        from flarepp.rank_growth import LatentSchedule
         return LatentSchedule.parse(self.latent_schedule)
 
     def model_kwargs(self) -> dict[str, Any]:
@@ -363,7 +277,7 @@ class RunConfig:
         cls = model_config_class(kwargs.get("arch", "surrogate"))
         if "attn_scale" not in {f.name for f in dataclasses.fields(cls)}:
             return None
-        return REFERENCE_ATTN_SCALE.get(kwargs.get("mixer", _field_default(cls, "mixer")))
+        return REFERENCE_ATTN_SCALE.get(kwargs.get("mixer", field_default(cls, "mixer")))
 
     def sdpa_scale(self) -> float | None:
         """The SDPA scale the run's model uses (``None`` if it has no such option)."""
@@ -374,7 +288,7 @@ class RunConfig:
         scale = kwargs.get("attn_scale")
         if scale is not None:
             return float(scale)
-        dim, heads = (kwargs.get(k, _field_default(cls, k)) for k in ("dim", "heads"))
+        dim, heads = (kwargs.get(k, field_default(cls, k)) for k in ("dim", "heads"))
         return 1.0 / math.sqrt(dim // heads)
 
 
@@ -382,7 +296,7 @@ class RunConfig:
         """:meth:`sdpa_scale` as a report writes it: ``1``, ``1/sqrt(16)``, ``-``."""
         kwargs = self.model_kwargs()
         cls = model_config_class(kwargs.get("arch", "surrogate"))
-        dim, heads = (kwargs.get(k, _field_default(cls, k)) for k in ("dim", "heads"))
+        dim, heads = (kwargs.get(k, field_default(cls, k)) for k in ("dim", "heads"))
         return describe_scale(self.sdpa_scale(), dim // heads if dim and heads else None)
 
 
@@ -440,11 +354,11 @@ def describe_scale(scale: float | None, head_dim: int | None = None) -> str:
 
 def model_config_class(arch: str) -> type:
     """The config dataclass of registered architecture ``arch``."""
-    from flarepp.models import MODELS, SurrogateConfig
     return getattr(MODELS.get(arch), "config_cls", SurrogateConfig)
 
 
-def _field_default(cls: type, name: str) -> Any:
+def field_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls`` (None without one)."""
     for f in dataclasses.fields(cls):
         if f.name == name:
             if f.default is not dataclasses.MISSING:
@@ -454,124 +368,7 @@ def _field_default(cls: type, name: str) -> Any:
     return None
 
 
-# -- value types -------------------------------------------------------------------------------
-
-def _type_hints(obj: Any) -> dict[str, Any]:
-    """Resolved annotations of a dataclass or function; ``{}`` when they cannot be
-    resolved (names only then get checked)."""
-    try:
-        return typing.get_type_hints(obj)
-    except (NameError, TypeError):
-        return {}
-
-
-def conforms(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (as read from JSON or a Python literal) has type ``hint``.
-
-    ``int`` excludes ``bool``; ``float`` takes ints; ``tuple``/``list`` hints take either
-    sequence (JSON has no tuples).
-    """
-    if hint is Any or isinstance(hint, typing.TypeVar):
-        return True
-    if hint is type(None) or hint is None:
-        return value is None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(conforms(value, a) for a in args)
-    if origin is typing.ClassVar:
-        return True
-    if origin is typing.Literal:
-        return value in args
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin in (tuple, list) or hint in (tuple, list):
-        if not isinstance(value, (tuple, list)):
-            return False
-        if not args:
-            return True
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            return len(value) == len(args) and all(map(conforms, value, args))
-        return all(conforms(v, args[0]) for v in value)
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            return False
-        return not args or all(conforms(k, args[0]) and conforms(v, args[1])
-                               for k, v in value.items())
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True  # an annotation this checker does not model (a Protocol, a string...)
-
-
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, type):
-        return hint.__name__
-    return str(hint).replace("typing.", "")
-
-
-def check_types(values: Any, what: str, *, hints: dict[str, Any] | None = None) -> None:
-    """Raise a ``ValueError`` naming the first of ``values`` (a dataclass or a dict of
-    keyword values) whose value does not have its annotated type."""
-    if hints is None:
-        hints = _type_hints(type(values))
-        items = [(f.name, getattr(values, f.name)) for f in dataclasses.fields(values)]
-    else:
-        items = list(values.items())
-    for name, value in items:
-        if name in hints and not conforms(value, hints[name]):
-            raise ValueError(f"{what}: {name} must be of type {_type_name(hints[name])}, "
-                             f"got {value!r} ({type(value).__name__})")
-
-
-# -- --set overrides ---------------------------------------------------------------------------
-
-def parse_value(text: str) -> Any:
-    """A ``--set`` value: a Python literal (``8``, ``1e-3``, ``None``, ``[1, 2]``), else the
-    bare word as a string (``flarepp``, ``rmsnorm``)."""
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-SECTIONS = ("model", "dataset_options", "model.mixer_options")
-
-
-def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
-    """``["model.latents=32", "epochs=3"]`` -> a new, checked config.
-
-    An unknown key, a value of the wrong type or an option the dataset or model does not
-    take raises a ``ValueError`` naming the key and the known ones (nothing is loaded)."""
-    d = copy.deepcopy(config.to_dict())
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        if len(parts) == 1 and (parts[0] not in d or parts[0] == VERSION_KEY):
-            raise ValueError(f"--set {key}: unknown key; known keys: {', '.join(sorted(d))} "
-                             f"and the sections {', '.join(SECTIONS)} (e.g. model.latents)")
-        target = d
-        for depth, part in enumerate(parts[:-1]):
-            if part not in target and ".".join(parts[:depth + 1]) in SECTIONS:
-                target[part] = {}
-            if not isinstance(target.get(part), dict):
-                raise ValueError(f"--set {key}: {'.'.join(parts[:depth + 1])!r} is not a "
-                                 f"section of the config (sections: {', '.join(SECTIONS)})")
-            target = target[part]
-        target[parts[-1]] = parse_value(text.strip())
-    try:
-        return RunConfig.from_dict(d)
-    except ValueError as err:
-        keys = ", ".join(item.split("=", 1)[0] for item in overrides)
-        raise ValueError(f"{err} (with --set {keys})" if overrides else str(err)) from None
-
-
 __all__ = ["ADDED_SINCE", "ATTN_SCALE_WORDS", "CONFIG_VERSION", "EVAL_WEIGHTS", "FILE_SECTIONS",
-           "LEGACY_PROTOCOL", "VERSION_KEY", "flatten_sections", "REFERENCE_ATTN_SCALE",
-           "RUNTIME_FIELDS", "RunConfig", "apply_overrides", "check_types", "conforms",
-           "describe_scale", "model_config_class", "parse_value", "stored_version"]
+           "LEGACY_PROTOCOL", "MOMENTUM_CYCLE_REFERENCE", "REFERENCE_ATTN_SCALE",
+           "RUNTIME_FIELDS", "RunConfig", "VERSION_KEY", "describe_scale", "field_default",
+           "flatten_sections", "model_config_class", "stored_version"]

@@ -35,6 +35,7 @@ from flarepp.io import (append_line, atomic_write_json, atomic_write_text, fsync
                         UnreadableFile, read_json, read_json_lines)
 from flarepp.storage.config import RunConfig
 from flarepp.storage.locks import LOCK_NAME, LockHolder, RunLock, RunLocked
+from flarepp.version import __version__
 
 
 CHECKPOINT_NAME = re.compile(r"epoch_(\d+)(?:_step_(\d+))?\.pt")
@@ -386,7 +387,6 @@ def provenance(devices: Iterable[Any] = ("cpu",), **extra: Any) -> dict[str, Any
 
     import torch
 
-    from flarepp.version import __version__
     here = Path(__file__).resolve().parents[1]
     return {"flarepp": __version__, "git": git_commit(here),
             "python": platform.python_version(), "torch": torch.__version__,

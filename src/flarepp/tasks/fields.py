@@ -307,6 +307,7 @@ class FieldTask(Task):
 
     name = "fields"
     headline = "rel_l2"
+    reported = ("zero_target_samples",)  # where a target is identically zero (summarize)
     token_keys = ("x", "y", "mask")
     carves_validation = True
 

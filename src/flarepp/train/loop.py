@@ -7,7 +7,17 @@ log, ``metrics.json`` and the figures carry both; ``eval_weights`` names the hea
 as the FLARE study reports: :mod:`flarepp.inference.evaluate`), and the final predictions
 are the headline weights'. What is learned, and how it is measured, comes from a
 :class:`flarepp.tasks.Task`; this module owns the device, the precision, the parallel
-layout, the optimiser state, checkpoints and logs.
+layout, the optimiser state and the order of a run. Its checkpoints are the
+:class:`~flarepp.train.checkpoint.CheckpointManager`'s; the console, rank growth and
+thread tuning are callbacks (:mod:`flarepp.train.callbacks`); the config is checked once,
+by :func:`~flarepp.train.checks.validate`, when the trainer is made.
+
+Nothing is lost at the end of an epoch: its checkpoint (when one is due) is written before
+any evaluation, holding the epoch's record as not yet evaluated; a resumed run evaluates it
+again and does not train the epoch again. A failed allocation in any stage (a training
+step, data loading, the validation, the end-of-run evaluation) is one sentence
+(:mod:`flarepp.train.stages`) naming the stage, the bytes asked for and the option that
+bounds the stage, and the run continues from its last checkpoint.
 
 Parallelism (:mod:`flarepp.distributed.mesh`): data-parallel ranks each take a share of
 every global batch (``batch_size`` samples, the preset's) and ``DistributedDataParallel``
@@ -15,7 +25,7 @@ averages their gradients; context-parallel ranks split the tokens of the same sa
 sum their gradients (Appendix B). The loss of a step is the task's loss summed over the
 global batch divided by its global count, so any layout gives the single-process step.
 Global rank 0 alone writes files and calls the run's callbacks (trackers, a search's pruner:
-:mod:`flarepp.train.callbacks`).
+:mod:`flarepp.train.callbacks`), except those that change what every rank computes.
 
 Reproducibility: seeded; on the CPU in FP32 a resumed run is bitwise identical to an
 uninterrupted one (model, optimizer, scheduler, EMA, scaler and the RNG states are
@@ -27,38 +37,38 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from flarepp.data import DatasetSplits
+from flarepp.data.fingerprint import check_same_data
 from flarepp.device import grad_scaler, resolve_device, use_device
+from flarepp.distributed import all_reduce_gradients, context_parallel
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.tasks import Task, build_task
 from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
-                                    steps_per_epoch, to_device_prefetched)
-from flarepp.storage.checkpoint import (CheckpointError, checkpoint_epoch,
-                                      checkpoints_newest_first, newest_readable_checkpoint,
-                                      prune_checkpoints, remove_stale_temporaries,
-                                      save_checkpoint)
-from flarepp.storage.config import RunConfig
+                                        steps_per_epoch, to_device_prefetched)
 from flarepp.inference.engine import Engine
 from flarepp.inference.execution import Execution
 from flarepp.inference.evaluate import evaluate_weights, weight_metrics
+from flarepp.models.backbone import compile_model
+from flarepp.rank_growth import grow_latents
+from flarepp.storage.checkpoint import CheckpointError
+from flarepp.storage.config import RunConfig
+from flarepp.storage.rundir import RunDir, RunLock, provenance
+from flarepp.tasks import Task, build_task
+from flarepp.train.callbacks import (Callbacks, ProgressLog, RankGrowth, ThreadTuning,
+                                     TrainerCallback, TrainingPruned)
+from flarepp.train.checkpoint import CheckpointManager, RNGState
+from flarepp.train.checks import validate
 from flarepp.train.ema import WeightAverage
 from flarepp.train.optim import build_optimizer, build_scheduler, write_param_groups
-from flarepp.data.fingerprint import check_same_data
-from flarepp.storage.rundir import RunDir, RunLock, provenance
-from flarepp.train.callbacks import Callbacks, TrainerCallback, TrainingPruned
-from flarepp.train.checks import check_run_config
-from flarepp.threads import SHARED_BY_RANKS, ThreadTuner, thread_budget
+from flarepp.train.stages import each_within, memory_sentence, within
 
 
 HOST_SYNC_EVERY = 16
@@ -76,20 +86,6 @@ submitit's is SIGUSR2)."""
 
 INIT_NORMALIZERS = ("keep", "refit")
 """``--init-normalizers``: a fine-tuned run keeps its source's normalisers or refits them."""
-
-WEIGHTS_NAME = {"raw": "raw", "ema": "EMA"}
-"""How a log line names the weights of ``eval_weights``."""
-
-
-def checkpoint_path(out_dir: Path, epoch: int, step: int | None = None) -> Path:
-    """``epoch_0003.pt`` after 3 epochs; ``epoch_0003_step_000012.pt`` 12 steps into the 4th
-    (:meth:`RunDir.checkpoint`)."""
-    return RunDir(out_dir).checkpoint(epoch, step)
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    return RunDir(out_dir).latest_checkpoint()
-
 
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped training after a step; a checkpoint to resume from exists.
@@ -112,22 +108,52 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
-def show_progress_bars(progress: bool) -> bool:
-    """Bars on a terminal only; logs, CI and job schedulers get one line per epoch."""
-    return progress and sys.stderr.isatty()
+class TrainState:
+    """The trainer's own part of its checkpoints, stored at their top level: the run config
+    and the model's, the task and its data (field names, fingerprint), the epochs done and
+    their records (``history``), the run a fine-tuning started from (``init_from``), the
+    position inside an interrupted epoch (``epoch_progress``) and an epoch trained but not
+    yet evaluated (``epoch_record``). Loading it refuses other data and grows the model to
+    the size the checkpoint holds (through the callbacks' ``on_restore``)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        state = {"config": t.config.to_dict(), "model_config": t.model.config.to_dict(),
+                 "epoch": t.epoch, "history": t.history, "task": t.config.task,
+                 "data": {**t.task.describe_data(), "identity": t.task.data_identity()}}
+        for key, value in (("init_from", t.init_record), ("epoch_progress", t._position),
+                           ("epoch_record", t._pending)):
+            if value:
+                state[key] = value
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        identity = state.get("data", {}).get("identity")
+        if identity:
+            check_same_data(identity, t.task.data_identity())
+        t.hooks.restore(state)
+        t.epoch, t.history = int(state["epoch"]), list(state["history"])
+        t.init_record = state.get("init_from")
+        t._resume_progress = state.get("epoch_progress")
+        t._pending = state.get("epoch_record")
 
 
 class Trainer:
     """One run: task, model, optimiser state on a device; ``fit()`` runs it to the end.
 
-    ``parallel`` is the process's place in the ``("dp", "cp")`` mesh (default: one
-    process); ``device`` overrides ``config.device``; ``task`` a prebuilt task (e.g. data
-    shared by several runs), ``splits`` preloaded data for the default task.
-    ``init_from`` (fine-tuning): a run directory or checkpoint whose weights (those it
-    reports) start this run, with a new optimiser on this run's data; ``init_normalizers``
-    ``keep`` takes its normalisers too, ``refit`` fits them on this run's data. It is
-    recorded in the checkpoints, ``metrics.json`` and ``provenance.json``. ``callbacks``
-    are called on the writer rank (:mod:`flarepp.train.callbacks`); ``plot`` draws the run's
+    ``config`` is validated here (:func:`~flarepp.train.checks.validate`). ``parallel`` is
+    the process's place in the ``("dp", "cp")`` mesh (default: one process); ``device``
+    overrides ``config.device``; ``task`` a prebuilt task (e.g. data shared by several
+    runs), ``splits`` preloaded data for the default task. ``init_from`` (fine-tuning): a
+    run directory or checkpoint whose weights (those it reports) start this run, with a new
+    optimiser on this run's data; ``init_normalizers`` ``keep`` takes its normalisers too,
+    ``refit`` fits them on this run's data. It is recorded in the checkpoints,
+    ``metrics.json`` and ``provenance.json``. ``callbacks`` are called on the writer rank
+    (:mod:`flarepp.train.callbacks`) after the trainer's own; ``plot`` draws the run's
     figures at its end (``plot_cases`` cases), which ``on_run_end`` receives.
     """
 
@@ -141,15 +167,16 @@ class Trainer:
         if init_normalizers not in INIT_NORMALIZERS:
             raise ValueError(f"init_normalizers must be one of {', '.join(INIT_NORMALIZERS)}, "
                              f"got {init_normalizers!r}")
-        self.init_record: dict[str, Any] | None = None
-        self.config = c = check_run_config(config)
+        self.config = c = validate(config)
         self.out_dir = Path(out_dir)
         self.run = RunDir(self.out_dir)
         self.plan = parallel
         self.is_writer = parallel.is_writer
-        self.hooks = Callbacks(callbacks, is_writer=self.is_writer)
+        self.log = ProgressLog(progress and self.is_writer)
+        schedule = c.schedule()
+        self.hooks = Callbacks([self.log, *([RankGrowth(schedule)] if schedule else []),
+                                ThreadTuning(), *callbacks], is_writer=self.is_writer)
         self.plot = plot
-        self.progress = progress and self.is_writer
         self.device = resolve_device(device if device is not None else c.device)
         use_device(self.device)
         # The writer holds the run directory for the run's life: a second process on the
@@ -161,93 +188,66 @@ class Trainer:
             self.close()
             raise
 
+    def say(self, line: str) -> None:
+        """A line on the run's console (:class:`~flarepp.train.callbacks.ProgressLog`)."""
+        self.log.say(line)
+
     def _setup(self, resume: bool, data_root, splits, task, init_from, init_normalizers
                ) -> None:
-        c, parallel = self.config, self.plan
-        if self.is_writer:
-            removed = remove_stale_temporaries(self.out_dir)
-            if removed and self.progress:
-                print(f"removed {len(removed)} temporary file(s) a killed write left in "
-                      f"{str(self.out_dir)!r}", flush=True)
-        found = newest_readable_checkpoint(self.out_dir) if resume else None
-        if found is not None and found.path is None:
-            reason = found.message() or f"there is no checkpoint in " \
-                f"{str(self.run.checkpoint_dir)!r}"
-            raise CheckpointError(f"--resume: {reason}")
-        if found is not None and found.unreadable and self.progress:
-            print(f"--resume: {found.message()}", flush=True)
-        if not resume and checkpoints_newest_first(self.out_dir):
-            raise ValueError(f"output directory {str(self.out_dir)!r} already holds a run; "
-                             "pass --resume to continue it or choose another --out")
+        c = self.config
+        found = CheckpointManager.find(self.run, resume=resume, writer=self.is_writer,
+                                       say=self.say)
+        if init_from is not None and found is not None:
+            raise ValueError("--init-from starts a new run from another run's weights; "
+                             f"{str(self.out_dir)!r} is resumed from its own checkpoint")
         if task is None:
-            options = {} if splits is None else {"splits": splits}
-            task = build_task(c, data_root or c.data_root, **options)
+            task = build_task(c, data_root or c.data_root,
+                              **({} if splits is None else {"splits": splits}))
         self.task = task
-        self.engine = Engine(task, Execution(self.device, c.precision, plan=parallel,
+        self.engine = Engine(task, Execution(self.device, c.precision, plan=self.plan,
                                              chunk_size=c.eval_chunk_size),
                              workers=c.workers(self.device.type))
-
         torch.manual_seed(c.seed)
         self.model = task.build_model().to(self.device)
-        if init_from is not None:
-            if found is not None:
-                raise ValueError("--init-from starts a new run from another run's weights; "
-                                 f"{str(self.out_dir)!r} is resumed from its own checkpoint")
-            self._init_from(Path(init_from), init_normalizers)
+        self.init_record = None if init_from is None else CheckpointManager.start_from(
+            Path(init_from), self.model, task if init_normalizers == "keep" else None, c.task)
         self.ema = WeightAverage(self.model, c.ema_decay)
         self._wrap()
         self.optimizer = build_optimizer(self.model, c)
-        self.latent_schedule = c.schedule()
         self.n_train = task.num_samples("train")
         self.steps_per_epoch = steps_per_epoch(self.n_train, c.batch_size)
         self.scheduler = build_scheduler(self.optimizer, c, c.epochs * self.steps_per_epoch)
         self.scaler = grad_scaler(c.precision, self.device)
         self.shuffle = torch.Generator().manual_seed(c.seed)
-        self.epoch = 0
-        self.history: list[dict[str, Any]] = []
-        self.step_losses: list[float] = []
-        self.threads: ThreadTuner | None = None  # measured on the first steps trained
+        self.epoch, self.history, self.step_losses = 0, [], []
         self._resume_progress: dict[str, Any] | None = None
+        self._position: dict[str, Any] | None = None   # where an interrupted epoch stopped
+        self._pending: dict[str, Any] | None = None    # an epoch trained, not yet evaluated
         self._stop_signal: int | None = None
+        self.checkpoints = self.checkpoint_manager()
+        self.hooks.setup(self)
         if found is not None:
-            self._restore(found.path, found.state)
+            self.checkpoints.restore(found)
 
-    def _init_from(self, source: Path, normalizers: str) -> None:
-        """Start from the weights ``source`` reports (fine-tuning), refusing another
-        architecture in a sentence; ``normalizers`` ``keep``: its maps as well."""
-        from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
-        path = RunDir(source).require_run().reported_checkpoint() if source.is_dir() else source
-        if path is None:
-            raise CheckpointError(f"--init-from {str(source)!r}: the run holds no checkpoint")
-        state = read_checkpoint(path)
-        theirs, mine = state["model_config"], self.model.config.to_dict()
-        differ = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
-        if differ:
-            shown = ", ".join(f"{k} {theirs.get(k)!r} (this run: {mine.get(k)!r})"
-                              for k in differ[:4])
-            raise CheckpointError(f"--init-from {str(path)!r}: its model differs from this "
-                                  f"run's in {shown}; fine-tuning starts from the same "
-                                  "architecture (set the same model.* options)")
-        self.model.load_state_dict(rebuild_model(state, path).state_dict())
-        if normalizers == "keep":
-            try:
-                self.task.load_state_dict(state["normalizers"])
-            except (KeyError, TypeError) as err:
-                raise CheckpointError(f"--init-from {str(path)!r}: its normalisers do not fit "
-                                      f"the {self.config.task!r} task ({err}); use "
-                                      "--init-normalizers refit") from None
-        self.init_record = {"checkpoint": str(path.resolve()), "epoch": int(state["epoch"]),
-                            "weights": RunConfig.from_stored(state["config"]).eval_weights,
-                            "normalizers": normalizers}
+    def checkpoint_manager(self) -> CheckpointManager:
+        """The owner of the run's checkpoints, built with the states the trainer holds."""
+        task = self.task
+        states = {"model": self.model, "ema": self.ema.module, "ema_state": self.ema,
+                  "optimizer": self.optimizer, "scheduler": self.scheduler,
+                  "scaler": self.scaler, "rng": RNGState(self.shuffle, self.device),
+                  "normalizers": task}
+        return CheckpointManager(self.run, states, header=TrainState(self), config=self.config,
+                                 keep=self.config.keep_checkpoints,
+                                 best=(f"{task.eval_splits[0]}_{task.headline}",
+                                       task.lower_is_better),
+                                 writer=self.is_writer, lease=self.lock)
 
     def _wrap(self) -> None:
         """Compile, token-shard and data-parallel-wrap the model (again after it grew)."""
         c, parallel = self.config, self.plan
         if c.compile:
-            from flarepp.models.backbone import compile_model
             compile_model(self.model)
         if parallel.cp_group is not None:
-            from flarepp.distributed import context_parallel
             context_parallel(self.model, parallel.cp_group)
             context_parallel(self.ema.module, parallel.cp_group)
         self.train_model: torch.nn.Module = self.model
@@ -258,63 +258,23 @@ class Trainer:
 
     def _grow(self, latents: int) -> None:
         """Grow the model, its optimiser state and the EMA copy to ``latents`` latents,
-        keeping the function (:func:`flarepp.rank_growth.grow_latents`)."""
-        from flarepp.rank_growth import grow_latents
+        keeping the function (:func:`flarepp.rank_growth.grow_latents`; when is the
+        :class:`~flarepp.train.callbacks.RankGrowth` callback's choice)."""
         grow_latents(self.model, latents, self.optimizer)
         grow_latents(self.ema.module, latents)
         self._wrap()
 
     def close(self) -> None:
-        """Release the run directory (idempotent)."""
+        """Give back what the run changed in the process (its callbacks' ``on_close``: the
+        CPU threads) and release the run directory (idempotent)."""
+        self.hooks.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
 
-    # -- state ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {
-            "config": self.config.to_dict(), "model_config": self.model.config.to_dict(),
-            "model": self.model.state_dict(), "ema": self.ema.module.state_dict(),
-            "ema_state": self.ema.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch, "history": self.history, "rng": rng,
-            "task": self.config.task, "normalizers": self.task.state_dict(),
-            "data": {**self.task.describe_data(), "identity": self.task.data_identity()},
-            **({"init_from": self.init_record} if self.init_record else {}),
-        }
-
-    def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        stored = RunConfig.from_stored(state["config"]).identity()
-        mine = self.config.identity()
-        if stored != mine:
-            changed = sorted(k for k in stored.keys() | mine.keys()
-                             if stored.get(k) != mine.get(k))
-            raise CheckpointError(f"checkpoint {str(path)!r} was written by a run with a "
-                                  f"different config (differs in {changed}); resume with "
-                                  "the same preset and --set options")
-        identity = state.get("data", {}).get("identity")
-        if identity:
-            check_same_data(identity, self.task.data_identity())
-        self.task.load_state_dict(state["normalizers"])
-        grown = state["model_config"].get("latents")
-        if self.latent_schedule is not None and grown != self.model.config.latents:
-            self._grow(grown)  # the run had grown its latents: rebuild at that size
-        self.model.load_state_dict(state["model"])
-        self.ema.load_state_dict(state["ema_state"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.shuffle.set_state(state["rng"]["shuffle"])
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        self.epoch = int(state["epoch"])
-        self.history = list(state["history"])
-        self.init_record = state.get("init_from")
-        self._resume_progress = state.get("epoch_progress")
+        """The checkpoint of now (:meth:`CheckpointManager.state`)."""
+        return self.checkpoints.state()
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -355,7 +315,6 @@ class Trainer:
                 self.scaler.scale(loss if factor == 1 else loss * factor).backward()
             total = loss.detach() if total is None else total + loss.detach()
         if plan.cp_group is not None:
-            from flarepp.distributed import all_reduce_gradients
             all_reduce_gradients(self.model, plan.cp_group)  # the unsharded gradient
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
@@ -406,14 +365,11 @@ class Trainer:
         loader = make_loader(self.task, "train", keys[done:], training=True,
                              workers=self.engine.workers,
                              pin_memory=self.device.type == "cuda")
-        bar = tqdm(to_device_prefetched(loader, self.device), total=len(keys),
-                   initial=done, desc=f"epoch {self.epoch + 1}/{c.epochs}", leave=False,
-                   disable=not (self.progress and show_progress_bars(True)))
+        bar = self.log.bar(to_device_prefetched(loader, self.device), total=len(keys),
+                           initial=done, desc=f"epoch {self.epoch + 1}/{c.epochs}")
         pending: list[torch.Tensor] = []
-        if self.threads is None:
-            self.threads = self._thread_tuner()
-        for micro, weight in bar:
-            with self.threads.step():
+        for micro, weight in each_within(bar, self._out_of_memory("data loading")):
+            with self._stage("training step"), self.hooks.step():
                 pending.append(self.train_step(micro, weight))
             step = len(self.step_losses) + len(pending)
             at_sync = step % HOST_SYNC_EVERY == 0
@@ -428,6 +384,17 @@ class Trainer:
         self._flush_losses(pending, bar)
         self._epoch_seconds += time.perf_counter() - started
         return sum(loss * n for loss, n in zip(self.step_losses, sizes)) / max(sum(sizes), 1)
+
+    # -- failed allocations --------------------------------------------------------------
+    def _stage(self, stage: str) -> contextlib.AbstractContextManager[None]:
+        """Within: a failed allocation is one sentence naming ``stage`` and its epoch, the
+        bytes asked for, the options that bound it and the checkpoint the run continues
+        from (:mod:`flarepp.train.stages`)."""
+        return within(self._out_of_memory(stage))
+
+    def _out_of_memory(self, stage: str) -> Callable[[BaseException], str]:
+        return lambda err: memory_sentence(stage, err, self.config, self.epoch,
+                                           self.checkpoints.latest())
 
     # -- signals -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -469,35 +436,12 @@ class Trainer:
 
     def _interrupt(self, progress: dict[str, Any] | None) -> None:
         """Write the state to resume from (mid-epoch when ``progress``) and stop."""
-        path = checkpoint_path(self.out_dir, self.epoch,
-                               None if progress is None else progress["step"])
-        if self.is_writer:
-            state = self.state()
-            if progress is not None:
-                state["epoch_progress"] = progress
-            self._save_checkpoint(path, state)
+        self._position = progress
+        try:
+            path = self.checkpoints.save(None if progress is None else progress["step"])
+        finally:
+            self._position = None
         raise TrainingInterrupted(self._stop_signal or signal.SIGINT, path, self.out_dir)
-
-    def _save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        """Write a checkpoint, then apply the retention policy (``keep_checkpoints``: the
-        newest K and the best by the recorded metric); the older ones are removed only
-        after the new one is durable."""
-        save_checkpoint(path, state)
-        prune_checkpoints(self.out_dir, self.config.keep_checkpoints,
-                          best=self._best_checkpoint())
-
-    def _best_checkpoint(self) -> Path | None:
-        """The end-of-epoch checkpoint on disk whose epoch has the best recorded metric
-        (``<first eval split>_<headline>`` of the history; the newest of equals)."""
-        key = f"{self.task.eval_splits[0]}_{self.task.headline}"
-        scored = {r["epoch"]: r[key] for r in self.history
-                  if key in r and np.isfinite(r[key])}
-        candidates = [p for p in checkpoints_newest_first(self.out_dir)
-                      if checkpoint_epoch(p)[1] is None and checkpoint_epoch(p)[0] in scored]
-        if not candidates:
-            return None
-        sign = 1.0 if self.task.lower_is_better else -1.0
-        return min(candidates, key=lambda p: sign * scored[checkpoint_epoch(p)[0]])
 
     def weights(self, name: str) -> torch.nn.Module:
         """The raw (trained) weights' model, or the EMA copy's (``"raw"`` / ``"ema"``)."""
@@ -529,81 +473,86 @@ class Trainer:
             self.close()
 
     def _fit(self, stop_after: int | None) -> dict[str, Any] | None:
-        c = self.config
-        headline = self.task.headline
-        if self.is_writer:
-            self.run.write_config(c)
-            write_param_groups(self.out_dir, self.model, self.optimizer)
-            self._rewrite_log()
-            self.run.record_provenance(provenance(
-                [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
-                **({"init_from": self.init_record} if self.init_record else {})))
-            self.hooks.run_start(c, self.out_dir, self.epoch)
-        self.threads = self.threads or self._thread_tuner()
-        recorded = None
+        self._start_run()
+        if self._pending is not None:  # resumed before the evaluation of its last epoch
+            self._end_epoch(self._pending, stopping=False, saved=True)
         done_now = 0
-        while self.epoch < c.epochs:
-            latents = None
-            if self.latent_schedule is not None:
-                latents = self.latent_schedule.latents_at(self.epoch)
-                if latents > self.model.config.latents:
-                    self._grow(latents)
-                    if self.progress:
-                        print(f"epoch {self.epoch + 1}: latents grown to M = {latents}",
-                              flush=True)
+        while self.epoch < self.config.epochs:
+            self.hooks.epoch_start(self.epoch)
             loss = self.train_epoch()
             self.epoch += 1
+            done_now += 1
             record = {"epoch": self.epoch, "train_loss": loss,
                       "lr": self.scheduler.get_last_lr()[0], "seconds": self._epoch_seconds,
                       "step_losses": list(self.step_losses)}
-            if latents is not None:
-                record["latents"] = latents
-            record["threads"] = torch.get_num_threads()
-            if self.is_writer and self.threads.choice not in (None, recorded):
-                recorded = self.threads.choice
-                self.run.amend_provenance({"threads": recorded.record()})
-            split = self.task.eval_splits[0]
-            key = f"{split}_{headline}"
-            if self.epoch % c.eval_every == 0 or self.epoch == c.epochs:
-                for name in dict.fromkeys((split, *self.hooks.splits)):
-                    record.update(weight_metrics(name, headline, self.evaluate(name),
-                                                 c.eval_weights, self.task.reported))
-                record["eval_weights"] = c.eval_weights
-            self.history.append(record)
-            if self.is_writer:
-                self.run.append_log(record)
-            if self.progress:
-                shown = ""
-                if key in record:
-                    other = "ema" if c.eval_weights == "raw" else "raw"
-                    shown = (f"  {key.replace('_', ' ')} {record[key]:.4f} "
-                             f"({WEIGHTS_NAME[c.eval_weights]} weights; "
-                             f"{WEIGHTS_NAME[other]} {record[f'{key}_{other}']:.4f})")
-                print(f"epoch {self.epoch:4d}/{c.epochs}  loss {loss:.4e}{shown}", flush=True)
-            done_now += 1
-            pruned = self._callback_stop(record)
-            stopping = stop_after is not None and done_now >= stop_after
-            if self.is_writer and (self.epoch % c.checkpoint_every == 0
-                                   or self.epoch == c.epochs or stopping or pruned):
-                self._save_checkpoint(checkpoint_path(self.out_dir, self.epoch), self.state())
-            if pruned:
-                raise TrainingPruned(self.epoch, pruned,
-                                     checkpoint_path(self.out_dir, self.epoch))
-            if self.epoch < c.epochs and self._stop_requested():
-                self._interrupt(None)  # between epochs: the checkpoint is the epoch's
-            if stopping and self.epoch < c.epochs:
+            self.hooks.epoch_trained(self.epoch, record)
+            if self._end_epoch(record, stopping=stop_after is not None
+                               and done_now >= stop_after):
                 return None
         return self.finish()
 
-    def _thread_tuner(self) -> ThreadTuner:
-        """The run's intra-op threads, measured on its first steps (:mod:`flarepp.threads`);
-        a multi-process run keeps the count its launcher gave each rank."""
+    def _start_run(self) -> None:
+        """The run's files as it starts (or resumes), then the callbacks' ``on_run_start``."""
+        if self.is_writer:
+            self.run.write_config(self.config)
+            write_param_groups(self.out_dir, self.model, self.optimizer)
+            self.run.rewrite_log(self.history)
+            self.run.record_provenance(provenance(
+                [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
+                **({"init_from": self.init_record} if self.init_record else {})))
+        self.hooks.run_start(self.config, self.out_dir, self.epoch)
+
+    def _end_epoch(self, record: dict[str, Any], *, stopping: bool, saved: bool = False
+                   ) -> bool:
+        """An epoch's end, in the order that loses nothing: its checkpoint when one is due,
+        before any evaluation (holding ``record`` as not yet evaluated, unless ``saved``
+        already); the evaluation; the log line and the callbacks; the checkpoint again,
+        complete, where no later one will supersede it (the run stops, is pruned or ends
+        here). Returns whether the run stops now (``stopping``, before its last epoch)."""
         c = self.config
-        steps = (c.epochs - self.epoch) * self.steps_per_epoch
-        say = (lambda line: print(line, flush=True)) if self.progress else None
-        return ThreadTuner(steps=steps, budget=thread_budget(self.engine.workers),
-                           device=self.device, say=say,
-                           skip=SHARED_BY_RANKS if self.plan.mesh is not None else None)
+        last = self.epoch == c.epochs
+        evaluated = self.epoch % c.eval_every == 0 or last
+        due = self.epoch % c.checkpoint_every == 0 or last or stopping
+        if due and not saved:
+            self._save(pending=record if evaluated else None)
+        if evaluated:
+            with self._stage("validation"):
+                record.update(self._evaluate_epoch())
+        self.history.append(record)
+        self._append_log(record)
+        pruned = self._callback_stop(record)
+        if pruned or (evaluated and (due or saved) and (stopping or last)):
+            self._save()
+        if pruned:
+            raise TrainingPruned(self.epoch, pruned, self.checkpoints.path(self.epoch))
+        if not last and self._stop_requested():
+            self._interrupt(None)  # between epochs: the checkpoint is the epoch's
+        return stopping and not last
+
+    def _save(self, pending: dict[str, Any] | None = None) -> Path:
+        """The epoch's checkpoint; ``pending``: its record, not yet evaluated."""
+        self._pending = pending
+        try:
+            return self.checkpoints.save()
+        finally:
+            self._pending = None
+
+    def _evaluate_epoch(self) -> dict[str, Any]:
+        """The headline metrics of the first evaluation split and of those the callbacks
+        ask for, both weights (:func:`weight_metrics`)."""
+        c, task = self.config, self.task
+        metrics: dict[str, Any] = {}
+        for name in dict.fromkeys((task.eval_splits[0], *self.hooks.splits)):
+            metrics.update(weight_metrics(name, task.headline, self.evaluate(name),
+                                          c.eval_weights, task.reported))
+        return {**metrics, "eval_weights": c.eval_weights}
+
+    def _append_log(self, record: dict[str, Any]) -> None:
+        """The epoch's line of ``log.jsonl``, written only while the run's lease is still
+        this process's (:meth:`flarepp.storage.locks.Lease.verify`)."""
+        if self.is_writer:
+            self.lock.verify()
+            self.run.append_log(record)
 
     def _callback_stop(self, record: dict[str, Any]) -> str | None:
         """Whether a callback asks to stop after this epoch (its sentence); with several
@@ -617,36 +566,23 @@ class Trainer:
                 reason = "a callback of the writer rank stopped the run"
         return reason
 
-    def _rewrite_log(self) -> None:
-        self.run.rewrite_log(self.history)
-
     def finish(self) -> dict[str, Any]:
-        headline, chosen = self.task.headline, self.config.eval_weights
-        results = {split: self.evaluate(split) for split in self.task.eval_splits}
+        """The end-of-run evaluation of every evaluation split (both weights), the cases the
+        task draws, ``metrics.json``, the figures; returns the metrics."""
+        headline, chosen, split = self.task.headline, self.config.eval_weights, \
+            self.task.eval_splits[0]
+        with self._stage("end-of-run evaluation"):
+            results = {name: self.evaluate(name) for name in self.task.eval_splits}
+            records = results[split][chosen]["_records"]
+            cases = self.task.cases_to_predict(split, records)  # predicted on every rank
+            extra = ({"predictions": self.engine.predict_cases(self.weights(chosen), split,
+                                                               cases)} if cases else {})
         metrics: dict[str, Any] = {}
-        for split, by_weights in results.items():
-            metrics.update(weight_metrics(split, headline, by_weights, chosen,
+        for name, by_weights in results.items():
+            metrics.update(weight_metrics(name, headline, by_weights, chosen,
                                           self.task.reported))
-            if "zero_target_samples" in by_weights[chosen]:
-                metrics[f"{split}_zero_target_samples"] = \
-                    by_weights[chosen]["zero_target_samples"]
         metrics.update(self.task.baseline_metrics())
-        metrics.update({
-            "eval_weights": chosen,
-            "epochs": self.epoch, "params": self.n_params(),
-            "seconds": float(sum(r["seconds"] for r in self.history)),
-            "preset": self.config.name, "dataset": self.config.dataset,
-            "task": self.config.task, "mixer": self.config.model.get("mixer"),
-            "precision": self.config.precision, "seed": self.config.seed,
-            "device": str(self.device), "parallel": self.plan.describe(),
-            "checkpoint": str(checkpoint_path(self.out_dir, self.epoch)),
-            **({"init_from": self.init_record} if self.init_record else {}),
-        })
-        split = self.task.eval_splits[0]
-        records = results[split][chosen]["_records"]
-        cases = self.task.cases_to_predict(split, records)  # predicted on every rank
-        extra = ({"predictions": self.engine.predict_cases(self.weights(chosen), split, cases)}
-                 if cases else {})
+        metrics.update(self._run_facts())
         if self.is_writer:
             self.task.write_outputs(self.out_dir, split, records, **extra)
             self.run.write_metrics(metrics)
@@ -654,6 +590,18 @@ class Trainer:
                 else []
             self.hooks.run_end(metrics, figures)
         return metrics
+
+    def _run_facts(self) -> dict[str, Any]:
+        """What ``metrics.json`` says of the run beside its metrics."""
+        c = self.config
+        return {"eval_weights": c.eval_weights, "epochs": self.epoch,
+                "params": self.n_params(),
+                "seconds": float(sum(r["seconds"] for r in self.history)),
+                "preset": c.name, "dataset": c.dataset, "task": c.task,
+                "mixer": c.model.get("mixer"), "precision": c.precision, "seed": c.seed,
+                "device": str(self.device), "parallel": self.plan.describe(),
+                "checkpoint": str(self.checkpoints.path(self.epoch)),
+                **({"init_from": self.init_record} if self.init_record else {})}
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,

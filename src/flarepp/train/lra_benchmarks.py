@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flarepp.data.lra import load_lra
 from flarepp.data.lra.base import LRADataset
 from flarepp.models.sequence import SequenceClassifierConfig
 from flarepp.registry import Registry
@@ -141,7 +142,6 @@ class LRABenchmark:
         """This task's data at ``size``: the paper's dataset, or for ``tiny`` the offline one
         when there is one, with the size's loader options and split limits applied.
         ``dataset`` and ``options`` override the table (e.g. ``dataset="lra-pickle"``)."""
-        from flarepp.data.lra import load_lra
         settings = self.settings(size)
         tiny = size == "tiny" and dataset is None and self.tiny_dataset is not None
         name = dataset or (self.tiny_dataset if tiny else self.dataset)

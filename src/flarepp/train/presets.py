@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flarepp.paper import TABLE7, TABLE8
+from flarepp.data.lra import LRA_DATASETS
+from flarepp.paper import DRIVAERML_FULL, TABLE7, TABLE8
 from flarepp.registry import Registry
-from flarepp.tasks.fields import REFERENCE_INPUT_NORM, REFERENCE_LOSS
 from flarepp.storage.config import RunConfig
+from flarepp.tasks.fields import REFERENCE_INPUT_NORM, REFERENCE_LOSS
+from flarepp.tasks.language import default_text_root
+from flarepp.train.checks import apply_overrides
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 
 PRESETS: Registry = Registry("preset")
 
@@ -114,7 +118,6 @@ for _name, _model, _doc in (
 
 
 def get_preset(name: str, overrides: list[str] | None = None) -> RunConfig:
-    from flarepp.train.checks import apply_overrides
     return apply_overrides(PRESETS.get(name), list(overrides or []))
 
 
@@ -122,7 +125,6 @@ def get_preset(name: str, overrides: list[str] | None = None) -> RunConfig:
 # flarepp.tasks.language): a 2-block decoder of width 64, windows of 128 bytes, 8 epochs of
 # 1024 windows (512 optimizer steps; minutes on a CPU core). One preset per causal mixer.
 def _language_preset(name: str, mixer: str, doc: str) -> None:
-    from flarepp.tasks.language import default_text_root
     PRESETS.add(name, RunConfig(
         name=name, task="lm", dataset="text-files", data_root=default_text_root(),
         dataset_options=dict(context=128, n_train=1024, n_test=256),
@@ -161,8 +163,6 @@ def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
     batches of that size); weight decay applies to the weight matrices of linear maps
     (``weight_decay_groups="weights"``, as the other presets).
     """
-    from flarepp.data.lra import LRA_DATASETS
-    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     spec = LRA_BENCHMARKS.get(task)
     s = spec.settings(size)
     tiny = size == "tiny" and spec.tiny_dataset is not None
@@ -196,7 +196,6 @@ def lra_run_config(task: str, size: str = "tiny", mixer: str = "flarepp", *,
 
 
 def _lra_presets() -> None:
-    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     for task in LRA_BENCHMARKS.names():
         for size, what in (("paper", "the FLARE study's LRA settings"),
                            ("tiny", "CPU-sized, offline data where there is some")):
@@ -238,7 +237,7 @@ _rollout_preset("rollout-tiny-adaln", "adaln", "flare", 48,
 # end). `--set model.mixer=flare` gives FLARE; `flarepp drivaerml pareto` trains the grid of
 # both and AB-UPT with 512 anchors (Figure 5).
 def _surface_presets() -> None:
-    from flarepp.paper import DRIVAERML_FULL as full
+    full = DRIVAERML_FULL
     for blocks in full.blocks:
         for latents in full.latents:
             name = f"drivaerml-b{blocks}-m{latents}"
