@@ -15,7 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-from flarepp.allocator import OutOfMemory, apply_policy
+from flarepp import allocator, threads
+from flarepp.allocator import OutOfMemory
 from flarepp.data import DataError
 from flarepp.data.fingerprint import DataMismatch
 from flarepp.distributed import RankFailure
@@ -23,7 +24,6 @@ from flarepp.io import UnreadableFile
 from flarepp.storage.checkpoint import CheckpointError
 from flarepp.storage.locks import LeaseLost
 from flarepp.storage.rundir import RunLocked
-from flarepp.threads import limit_interop, set_threads, thread_budget, user_threads
 from flarepp.train.loop import TrainingInterrupted
 
 
@@ -155,12 +155,12 @@ def _process_settings(args: argparse.Namespace) -> None:
     policy and the inter-op thread budget of the compute commands; ``--threads``; a thread
     count from the environment above what the machine can run is refused here, before any
     work (:func:`flarepp.threads.check_thread_count`)."""
-    if args.command in COMPUTE_COMMANDS:
-        args.allocator = apply_policy()
-        user_threads()
-        limit_interop(thread_budget())
+    if args.command in COMPUTE_COMMANDS:  # (module attributes: a test may replace them)
+        args.allocator = allocator.apply_policy()
+        threads.user_threads()
+        threads.limit_interop(threads.thread_budget())
     if getattr(args, "run_threads", None):
-        set_threads(args.run_threads)
+        threads.set_threads(args.run_threads)
 
 
 __all__ = ["COMPUTE_COMMANDS", "CLIError", "RUNTIME_ERRORS", "add_threads_argument", "at_least",

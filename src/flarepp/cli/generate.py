@@ -23,7 +23,8 @@ import torch
 
 from flarepp.allocator import is_allocation_failure
 from flarepp.cli import CLIError, Terminated, at_least
-from flarepp.device import DEVICE_HELP, memory_bounds, resolve_device
+import flarepp.device
+from flarepp.device import DEVICE_HELP, resolve_device
 from flarepp.models.causal_lm import generate_stream
 from flarepp.models.decoding import state_bytes
 from flarepp.storage.checkpoint import load_causal_lm
@@ -52,7 +53,8 @@ def _check_memory(model, prompt_tokens: int, new_tokens: int, device) -> None:
                  - state_bytes(model.initial_state(1, capacity=1))[1])
     if per_token <= 0:
         return
-    bound, free = min(memory_bounds(device).items(), key=lambda item: item[1])
+    # looked up when called: a test (or an embedding program) may bound it otherwise
+    bound, free = min(flarepp.device.memory_bounds(device).items(), key=lambda item: item[1])
     need = per_token * (prompt_tokens + new_tokens)
     if need > free:
         fits = max(free // per_token - prompt_tokens, 0)
