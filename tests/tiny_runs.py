@@ -46,10 +46,10 @@ def tiny_surface_run(root: Path) -> tuple[Path, Path]:
     run on them (DrivAerML's inputs: cell centres and normals; outputs pressure and wall
     shear), one epoch of a width-8 model: ``(data, run)``."""
     from flarepp.data.generators import make_surface_flow
-    from flarepp.train import RunConfig, Trainer, check_run_config
+    from flarepp.train import RunConfig, Trainer, validate
     data = root / "surfaces"
     make_surface_flow(data, n_train=2, n_test=1, resolution=800, seed=3, progress=False)
-    config = check_run_config(RunConfig(
+    config = validate(RunConfig(
         name="surface-tiny", task="surface", dataset="drivaerml", data_root=str(data),
         dataset_options={"split_file": "split.json", "cells_per_step": 256},
         model={"mixer": "flarepp", "dim": 8, "heads": 2, "blocks": 1, "latents": 4},
