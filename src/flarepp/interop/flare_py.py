@@ -98,6 +98,10 @@ def read_snapshot(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.
                             "trainer's snapshot or a state dict")
     state = snapshot.get("model_state", snapshot)
     ema = snapshot.get("ema_shadow")
+    for what, value in (("model_state", state), ("ema_shadow", ema)):
+        if value is not None and not isinstance(value, dict):
+            raise InteropError(f"{path}: its {what} is a {type(value).__name__}, not a state "
+                               "dict")
 
     def strip(d):
         out = {}
@@ -116,7 +120,23 @@ def _refuse(config: dict[str, Any], key: str, allowed: Any, why: str, path: Path
         raise InteropError(f"{path}: {config['model']} with {key}={value!r}: {why}")
 
 
+SIZES = ("channel_dim", "num_heads", "num_blocks", "num_latents")
+"""The model section's size settings, each required, an integer >= 1."""
+
+
+def _check_sizes(c: dict[str, Any], path: Path) -> None:
+    for key in SIZES:
+        value = c.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InteropError(f"{path}: {c['model']} with {key}={value!r}: " + (
+                "the model section lacks it" if key not in c else "must be an integer >= 1"))
+    if c["channel_dim"] % c["num_heads"]:
+        raise InteropError(f"{path}: channel_dim={c['channel_dim']} is not divisible by "
+                           f"num_heads={c['num_heads']}")
+
+
 def _check_common(c: dict[str, Any], path: Path) -> None:
+    _check_sizes(c, path)
     _refuse(c, "act", (None, "gelu"), "flarepp's backbone uses the tanh GELU only", path)
     _refuse(c, "out_proj_norm", True, "flarepp's backbone always norms before its output "
             "MLP", path)
@@ -234,6 +254,10 @@ def _check_flarepp(c: dict[str, Any], path: Path) -> None:
 def _convert(c: dict[str, Any], state: dict[str, torch.Tensor], where: str
              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     kind, blocks = c["model"], int(c["num_blocks"])
+    held = {key.split(".")[1] for key in state if key.startswith("blocks.")}
+    if len(held) != blocks:
+        raise InteropError(f"{where}: num_blocks={blocks} but the state dict holds "
+                           f"{len(held)} block(s)")
     w = SourceWeights(state, where)
     names: dict[str, str | torch.Tensor] = dict(_backbone_names(
         kind, int(c.get("num_layers_in_out_proj", 2)), blocks))
@@ -265,7 +289,8 @@ def import_flare_py(path: str | Path, config: str | Path | None = None) -> Impor
     model_config, weights = _convert(c, state, str(checkpoint))
     ema_weights = None if ema is None else _convert(c, ema, f"{checkpoint} (ema_shadow)")[1]
     cls = {"flare": "FLAREModel", "flarepp": "FLAREPPModel"}[c["model"]]
-    source = {"format": "flare-py", "class": f"pdebench.models.{c['model']}.{cls}",
+    source = {"format": "flare-py", "file": str(checkpoint),
+              "class": f"pdebench.models.{c['model']}.{cls}",
               "config": str(Path(config_path).resolve()), "model_config": c}
     return ImportedModel(model_config, weights, source, ema=ema_weights)
 

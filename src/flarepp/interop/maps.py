@@ -49,7 +49,14 @@ class SourceWeights:
             raise InteropError(f"{self.where}: the state dict lacks {key!r}, which the model "
                                "its arguments describe has")
         self.used.add(key)
-        return self.state[key].detach().double()
+        value = self.state[key]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            what = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InteropError(f"{self.where}: {key!r} is a {what}, not a real floating-point "
+                               "tensor")
+        if not torch.isfinite(value).all():
+            raise InteropError(f"{self.where}: {key!r} holds NaN or infinite weights")
+        return value.detach().double()
 
     def affine(self, prefix: str) -> "Affine":
         return Affine(self(f"{prefix}.weight"), self(f"{prefix}.bias"))

@@ -83,7 +83,8 @@ def read_mdlus(path: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     problem is an :class:`InteropError` naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise InteropError(f"{str(path)!r} does not exist (give a PhysicsNeMo .mdlus file)")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise InteropError(f"{str(path)!r} {what} (give a PhysicsNeMo .mdlus file)")
     try:
         if tarfile.is_tarfile(path):
             with tarfile.open(path) as tar:
@@ -111,6 +112,11 @@ def read_mdlus(path: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:
                             f"({type(err).__name__}: {str(err)[:200]})") from None
     if not isinstance(state, dict) or not isinstance(args, dict) or "__args__" not in args:
         raise InteropError(f"{path}: args.json has no '__args__' or model.pt is no state dict")
+    for what, value in (("args.json's '__args__'", args["__args__"]),
+                        ("metadata.json", metadata)):
+        if not isinstance(value, dict):
+            raise InteropError(f"{path}: {what} is a {type(value).__name__}, not an object "
+                               "of names and values")
     return args, metadata, state
 
 
@@ -169,10 +175,37 @@ def _weights(w: SourceWeights, mixer: str, blocks: int, heads: int) -> dict[str,
     return state
 
 
+SIZE_ARGS = {"functional_dim": (None, 0), "out_dim": (None, 1), "embedding_dim": (None, 1),
+             "n_layers": (4, 1), "n_hidden": (256, 1), "n_head": (8, 1), "slice_num": (32, 1)}
+"""The size arguments: their default (None: required) and least value."""
+
+
+def check_sizes(args: dict[str, Any], state: dict[str, Any], path: Path) -> dict[str, int]:
+    """The size arguments as integers, each checked (given where required, an integer, at
+    least its least value) and ``n_layers`` against the blocks the state dict holds,
+    before any map is built from them; one sentence naming the argument otherwise."""
+    sizes = {}
+    for arg, (default, least) in SIZE_ARGS.items():
+        value = args.get(arg, default)
+        if value is None:
+            raise InteropError(f"{path}: args.json lacks the argument {arg!r}, which "
+                               "PhysicsNeMo's constructor requires")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InteropError(f"{path}: argument {arg}={value!r} must be an integer >= "
+                               f"{least}")
+        sizes[arg] = value
+    if sizes["n_hidden"] % sizes["n_head"]:
+        raise InteropError(f"{path}: n_hidden={sizes['n_hidden']} is not divisible by "
+                           f"n_head={sizes['n_head']}")
+    blocks = {key.split(".")[1] for key in state if key.startswith("blocks.")}
+    if len(blocks) != sizes["n_layers"]:
+        raise InteropError(f"{path}: n_layers={sizes['n_layers']} but model.pt holds "
+                           f"{len(blocks)} block(s)")
+    return sizes
+
+
 def _model_config(name: str, a: dict[str, Any]) -> dict[str, Any]:
     heads, dim = int(a.get("n_head", 8)), int(a.get("n_hidden", 256))
-    if dim % heads:
-        raise InteropError(f"{name}: n_hidden={dim} is not divisible by n_head={heads}")
     head_dim = dim // heads
     # their default scales: FLARE's is fixed at 1.0 (release 2.2), FLAREPlusPlus's D^-1/2
     scale = a.get("attn_scale", 1.0 if name == "FLARE" else None)
@@ -198,14 +231,20 @@ def import_mdlus(path: str | Path) -> ImportedModel:
                             f"imports PhysicsNeMo's {' and '.join(MIXER_OF)} models")
     args = header["__args__"]
     check_args(name, args, path)
+    check_sizes(args, state, path)
     config = _model_config(name, args)
-    weights = _weights(SourceWeights(_legacy_names(state), f"{path} (model.pt)"), config["mixer"],
-                       config["blocks"], config["heads"])
+    try:
+        weights = _weights(SourceWeights(_legacy_names(state), f"{path} (model.pt)"),
+                           config["mixer"], config["blocks"], config["heads"])
+    except MapError as err:
+        raise InteropError(f"{path}: {err} (n_hidden={args['n_hidden']}, "
+                           f"n_head={args['n_head']})") from None
     notes = []
     if float(args.get("dropout", 0.0)):
         notes.append(f"dropout={args['dropout']} is the identity at inference and is not "
                      "part of flarepp's model (fine-tuning runs without it)")
-    source = {"format": "physicsnemo", "class": f"{header.get('__module__')}.{name}",
+    source = {"format": "physicsnemo", "file": str(path),
+              "class": f"{header.get('__module__')}.{name}",
               "args": args, "physicsnemo_version": metadata.get("physicsnemo_version"),
               "mdlus_file_version": metadata.get("mdlus_file_version")}
     return ImportedModel(config, weights, source, coordinates=int(args["embedding_dim"]),
@@ -352,5 +391,5 @@ def _check_round_trip(model: torch.nn.Module, out: Path, config: dict[str, Any])
     return deviation
 
 
-__all__ = ["EXPORTABLE", "KNOWN_ARGS", "MIXER_OF", "REFUSED", "TARGET_VERSION", "check_args",
-           "export_mdlus", "exportable", "import_mdlus", "normalizers_path", "read_mdlus"]
+__all__ = ["EXPORTABLE", "KNOWN_ARGS", "MIXER_OF", "REFUSED", "SIZE_ARGS", "TARGET_VERSION",
+           "check_args", "check_sizes", "export_mdlus", "exportable", "import_mdlus", "normalizers_path", "read_mdlus"]

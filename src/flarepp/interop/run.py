@@ -94,17 +94,37 @@ def _from_statistics(path: Path, in_dim: int, out_dim: int) -> NormalizerSource:
             raise InteropError(f"--normalizers {path}: no {side!r} entry with 'mean' and "
                                "'std' lists (the statistics file holds {\"x\": {\"mean\": "
                                "[...], \"std\": [...]}, \"y\": {...}})")
-        norm = Normalizer.from_state_dict(entry)
+        try:
+            norm = Normalizer.from_state_dict(entry)
+        except (TypeError, ValueError):
+            raise InteropError(f"--normalizers {path}: {side}.mean and {side}.std must be "
+                               f"lists of numbers") from None
         _check_width("x means" if side == "x" else "y means", str(path), norm.mean.size,
                      width, verb)
-        if norm.std.shape != norm.mean.shape or not (norm.std > 0).all():
+        if not np.isfinite(norm.mean).all():
+            raise InteropError(f"--normalizers {path}: {side}.mean must be {width} finite "
+                               f"numbers, got {entry['mean']!r}")
+        if (norm.std.shape != norm.mean.shape or not (norm.std > 0).all()
+                or not np.isfinite(norm.std).all()):
             raise InteropError(f"--normalizers {path}: {side}.std must be {width} positive "
-                               f"numbers, got {entry['std']!r}")
+                               f"finite numbers, got {entry['std']!r}")
         maps[side] = norm
+    coordinates = stats.get("coordinates")
+    if coordinates is not None and (isinstance(coordinates, bool) or not isinstance(
+            coordinates, int) or not 0 <= coordinates <= in_dim):
+        raise InteropError(f"--normalizers {path}: coordinates={coordinates!r} must be an "
+                           f"integer from 0 to the model's {in_dim} input channels")
+    names = {}
+    for key, width in (("input_names", in_dim), ("field_names", out_dim)):
+        given = stats.get(key)
+        if given is not None and (not isinstance(given, list) or len(given) != width
+                                  or not all(isinstance(n, str) for n in given)):
+            raise InteropError(f"--normalizers {path}: {key} must be {width} names, one per "
+                               f"channel, got {given!r}")
+        names[key] = given
     return NormalizerSource(maps["x"], maps["y"], f"read from statistics file {str(path)!r}",
-                            coordinates=stats.get("coordinates"),
-                            input_names=stats.get("input_names"),
-                            field_names=list(stats.get("field_names", [])),
+                            coordinates=coordinates, input_names=names["input_names"],
+                            field_names=list(names["field_names"] or []),
                             units=str(stats.get("units", "")))
 
 
@@ -134,7 +154,7 @@ class ImportedModel:
     """What a reader makes of another implementation's checkpoint: flarepp's
     ``model_config`` and state dicts (``ema`` None when the source holds no average),
     the input channels that are coordinates where the source says so, ``source`` facts for
-    the provenance (format, class, arguments, versions) and ``notes``, sentences on what
+    the provenance (format, file, class, arguments, versions) and ``notes``, sentences on what
     the import dropped or assumed."""
 
     model_config: dict[str, Any]
@@ -145,9 +165,21 @@ class ImportedModel:
     notes: list[str] = field(default_factory=list)
 
     def model(self, which: str = "raw") -> torch.nn.Module:
-        """The flarepp model in float64 with these weights (strict: every key mapped)."""
-        model = model_from_config(self.model_config).double()
+        """The flarepp model in float64 with these weights (strict: every key mapped); each
+        weight's shape is compared with the model's, built first without memory (on
+        PyTorch's meta device), so that sizes the source's arguments and weights disagree on
+        are a sentence naming the weight, and nothing is allocated for them."""
         weights = self.weights if which == "raw" else self.ema
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape)
+                      for k, v in model_from_config(self.model_config).state_dict().items()}
+        for key, want in shapes.items():
+            got = tuple(weights[key].shape) if key in weights else None
+            if got is not None and got != want:
+                raise InteropError(f"{self.source.get('file', 'the source')}: the weight "
+                                   f"{key!r} has shape {list(got)} where the model its "
+                                   f"arguments describe has {list(want)}")
+        model = model_from_config(self.model_config).double()
         model.load_state_dict(weights)
         return model.eval()
 
