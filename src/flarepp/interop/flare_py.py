@@ -56,7 +56,8 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as err:
-        raise InteropError(f"{path}: not a readable YAML config ({err})") from None
+        raise InteropError(f"{path}: not a readable YAML config "
+                           f"({' '.join(str(err).split())})") from None
     model = config.get("model", config) if isinstance(config, dict) else None
     if not isinstance(model, dict) or "model" not in model:
         raise InteropError(f"{path}: no 'model' section naming the model (model: flare or "

@@ -237,8 +237,8 @@ def import_mdlus(path: str | Path) -> ImportedModel:
         weights = _weights(SourceWeights(_legacy_names(state), f"{path} (model.pt)"),
                            config["mixer"], config["blocks"], config["heads"])
     except MapError as err:
-        raise InteropError(f"{path}: {err} (n_hidden={args['n_hidden']}, "
-                           f"n_head={args['n_head']})") from None
+        raise InteropError(f"{path}: {err} (n_hidden={args.get('n_hidden', 256)}, "
+                           f"n_head={args.get('n_head', 8)})") from None
     notes = []
     if float(args.get("dropout", 0.0)):
         notes.append(f"dropout={args['dropout']} is the identity at inference and is not "
