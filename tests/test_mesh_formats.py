@@ -244,3 +244,70 @@ def test_mixed_cells_an_inside_out_cell_and_quadratic_cells_in_one_mesh():
     plain = cell_geometry(hexes, "hex")
     np.testing.assert_allclose(turned.measures, plain.measures, rtol=1e-12)
     np.testing.assert_allclose(turned.centres, plain.centres, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# files that declare more than they hold, or read other files (the serve probe of issue 41)
+
+HUGE_DECLARATIONS = {
+    "legacy grid": ("big.vtk", b"# vtk DataFile Version 3.0\nx\nASCII\nDATASET "
+                    b"STRUCTURED_POINTS\nDIMENSIONS 3000 3000 3000\nORIGIN 0 0 0\n"
+                    b"SPACING 1 1 1\n"),
+    "legacy points": ("big.vtk", b"# vtk DataFile Version 3.0\nx\nASCII\nDATASET "
+                      b"UNSTRUCTURED_GRID\nPOINTS 2000000000 float\n0 0 0\n"),
+    "vtu": ("big.vtu", b'<?xml version="1.0"?><VTKFile type="UnstructuredGrid"><Unstructured'
+            b'Grid><Piece NumberOfPoints="2000000000" NumberOfCells="0"><Points><DataArray '
+            b'type="Float32" NumberOfComponents="3" format="ascii">0 0 0</DataArray></Points>'
+            b'</Piece></UnstructuredGrid></VTKFile>'),
+    "gmsh": ("big.msh", b"$MeshFormat\n2.2 0 8\n$EndMeshFormat\n$Nodes\n2000000000\n"
+             b"1 0 0 0\n$EndNodes\n")}
+
+
+@pytest.mark.parametrize("kind", sorted(HUGE_DECLARATIONS))
+def test_a_file_declaring_more_rows_than_allowed_is_refused_before_reading(tmp_path, kind):
+    """A 100-byte file declaring 2e9 points (27e9 for a legacy grid, whose points VTK makes
+    when asked) is refused from its declaration: VTK's XML reader aborted the process
+    (std::bad_alloc), the grid's points took 201 GiB, before any bound was looked at."""
+    from flarepp.data.meshes import MeshTooLarge
+    name, content = HUGE_DECLARATIONS[kind]
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(MeshTooLarge, match=r"declares \d+ points or cells, over the 1000 "):
+        read_mesh(tmp_path / name, max_rows=1000)
+
+
+def test_a_mesh_read_over_the_bound_or_naming_missing_points_is_refused(tmp_path):
+    import pyvista as pv
+    from flarepp.data.meshes import MeshTooLarge
+    pv.Sphere().save(tmp_path / "sphere.vtp")
+    with pytest.raises(MeshTooLarge, match="over the 100 allowed"):
+        read_mesh(tmp_path / "sphere.vtp", max_rows=100)
+    assert read_mesh(tmp_path / "sphere.vtp", max_rows=10_000).n_points == 842
+    (tmp_path / "bad.vtk").write_bytes(
+        b"# vtk DataFile Version 3.0\nx\nASCII\nDATASET UNSTRUCTURED_GRID\nPOINTS 3 float\n"
+        b"0 0 0 1 0 0 0 1 0\nCELLS 1 4\n3 0 1 99\nCELL_TYPES 1\n5\n")
+    with pytest.raises(DataError, match="a cell names point 99, but the mesh has 3 points"):
+        read_mesh(tmp_path / "bad.vtk")
+
+
+def test_a_vtkhdf_file_reading_another_file_is_refused(tmp_path):
+    """A VTKHDF dataset with external storage made VTK read any file's bytes as the points
+    (and `flarepp serve` return them in the mesh it answers); an external link alike."""
+    import h5py
+    secret = tmp_path / "elsewhere.bin"
+    secret.write_bytes(np.arange(30, dtype=np.float64).tobytes())
+    for how in ("external storage", "external link"):
+        path = tmp_path / f"{how.replace(' ', '_')}.vtkhdf"
+        with h5py.File(path, "w") as f:
+            g = f.create_group("VTKHDF")
+            g.attrs["Version"], g.attrs["Type"] = (2, 1), np.bytes_("UnstructuredGrid")
+            for key, value in (("NumberOfPoints", [10]), ("NumberOfCells", [1]),
+                               ("NumberOfConnectivityIds", [1]), ("Offsets", [0, 1]),
+                               ("Connectivity", [0]), ("Types", np.array([1], np.uint8))):
+                g.create_dataset(key, data=value)
+            if how == "external storage":
+                g.create_dataset("Points", shape=(10, 3), dtype="f8",
+                                 external=[(str(secret), 0, h5py.h5f.UNLIMITED)])
+            else:
+                g["Points"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/points")
+        with pytest.raises(DataError, match="a VTKHDF file is read from its own data only"):
+            read_mesh(path)

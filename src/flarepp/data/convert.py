@@ -427,12 +427,14 @@ def layout_spec(layout: ChannelLayout) -> ConversionSpec:
 
 
 def mesh_inputs(path: str | Path, layout: ChannelLayout,
-                conditions: dict[str, float] | None = None) -> tuple[np.ndarray, list[float]]:
+                conditions: dict[str, float] | None = None, *, max_rows: int | None = None
+                ) -> tuple[np.ndarray, list[float]]:
     """``(x [n, I] float32, conditions [K])`` of the mesh file ``path`` for a run whose
     inputs are ``layout``'s, built by the same filters that converted its store
     (:func:`layout_spec`, :func:`case_sample`) and assembled in the layout's group order as a
     store sample is. ``conditions`` (by the layout's condition names, in its stored units)
-    come before the mesh's field data; a name the layout lacks is a :class:`DataError`."""
+    come before the mesh's field data; a name the layout lacks is a :class:`DataError`;
+    ``max_rows`` bounds the mesh's points and cells (:func:`~flarepp.data.meshes.read_mesh`)."""
     path = Path(path)
     spec = layout_spec(layout)
     fmt = format_of(path)
@@ -447,8 +449,8 @@ def mesh_inputs(path: str | Path, layout: ChannelLayout,
     by_array = {c.source or c.name: given[c.name] / c.scale for c in layout.conditions
                 if c.name in given}
     case = Case(path.stem, path, fmt)
-    sample = case_sample(read_mesh(path, fmt), case, spec, {case.name: by_array},
-                         layout.dimensions or None)
+    sample = case_sample(read_mesh(path, fmt, max_rows=max_rows), case, spec,
+                         {case.name: by_array}, layout.dimensions or None)
     if sample.layout.input_channels != layout.input_channels:
         raise DataError(f"{path.name}: its inputs are {sample.layout.input_channels}, the "
                         f"run's are {layout.input_channels}")

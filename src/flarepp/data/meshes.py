@@ -43,11 +43,13 @@ import errno
 import functools
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
+import h5py
 import numpy as np
 
 from flarepp.data.base import DataError
@@ -114,9 +116,52 @@ def known_suffixes() -> list[str]:
     return sorted({s for n in MESH_FORMATS.names() for s in MESH_FORMATS.get(n).suffixes})
 
 
-def read_mesh(path: str | Path, fmt: str | None = None):
+class MeshTooLarge(DataError):
+    """A mesh whose points or cells, declared or read, exceed the rows a reader was allowed."""
+
+
+DECLARED_SIZES = {
+    "vtu": re.compile(rb'\bNumberOf(Points|Cells)="\s*(\d+)\s*"'),
+    "vtp": re.compile(rb'\bNumberOf(Points|Verts|Lines|Strips|Polys)="\s*(\d+)\s*"'),
+    "vtk": re.compile(rb"^(POINTS|CELLS|POLYGONS|VERTICES|LINES|TRIANGLE_STRIPS|POINT_DATA|"
+                      rb"CELL_DATA|DIMENSIONS)[ \t]+(\d+(?:[ \t]+\d+)*)", re.MULTILINE),
+    "gmsh": re.compile(rb"^\$(Nodes|Elements)[ \t]*\r?\n[ \t]*(\d+(?:[ \t]+\d+)*)",
+                       re.MULTILINE)}
+"""The sizes a mesh file declares before its data (VTK XML ``NumberOf...`` attributes,
+legacy VTK keyword lines, Gmsh section counts), which the readers allocate before reading
+the data itself."""
+
+
+def declared_rows(path: Path, fmt: str) -> int:
+    """The most rows (points, cells or a legacy file's grid ``DIMENSIONS``) the file
+    ``path`` of format ``fmt`` declares, summed over its pieces; 0 for a format whose
+    sizes are not read here."""
+    pattern = DECLARED_SIZES.get(fmt)
+    if pattern is None:
+        return 0
+    totals: dict[bytes, int] = {}
+    for found in pattern.finditer(path.read_bytes()):
+        numbers = [int(n) for n in found.group(2).split()]
+        key = found.group(1)
+        size = (int(np.prod(numbers, dtype=object)) if key == b"DIMENSIONS"
+                else max(numbers) if fmt == "gmsh" else numbers[0])   # Gmsh 4: blocks, count
+        totals[key] = totals.get(key, 0) + size
+    return max(totals.values(), default=0)
+
+
+def _check_rows(path: Path, rows: int, max_rows: int | None, how: str) -> None:
+    if max_rows is not None and rows > max_rows:
+        raise MeshTooLarge(f"{path.name}: the mesh {how} {rows} points or cells, over the "
+                           f"{max_rows} allowed")
+
+
+def read_mesh(path: str | Path, fmt: str | None = None, *, max_rows: int | None = None):
     """``path`` as one pyvista dataset with at least one point (``fmt``: a registered
-    format, default the one of its suffix); :class:`DataError` naming the file otherwise."""
+    format, default the one of its suffix); :class:`DataError` naming the file otherwise.
+    ``max_rows`` bounds its points and cells (:class:`MeshTooLarge`): as the file declares
+    them before any is read (VTK XML and legacy files, which a few bytes can make declare
+    billions), and as read, before any array of them is built (a legacy grid's points
+    exist only once asked for). A cell naming a point the mesh lacks is refused."""
     path = Path(path)
     fmt = fmt or format_of(path)
     if fmt is None:
@@ -127,10 +172,31 @@ def read_mesh(path: str | Path, fmt: str | None = None):
     entry = MESH_FORMATS.get(fmt)
     if not entry.marker and path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty (0 bytes)")
+    if max_rows is not None:
+        _check_rows(path, declared_rows(path, fmt), max_rows, "declares")
     mesh = _single(entry.read(path), path)
     if mesh.n_points == 0:
         raise DataError(f"{path}: the mesh has no points (an empty or truncated {fmt} file)")
+    _check_rows(path, max(mesh.n_points, mesh.n_cells), max_rows, "has")
+    _check_connectivity(mesh, path)
     return mesh
+
+
+def _check_connectivity(mesh, path: Path) -> None:
+    """Refuse a cell that names a point outside the mesh (VTK reads it as it is)."""
+    pv = require_pyvista()
+    if hasattr(mesh, "GetPolys"):
+        arrays = [mesh.GetVerts(), mesh.GetLines(), mesh.GetPolys(), mesh.GetStrips()]
+    else:
+        arrays = [mesh.GetCells()] if hasattr(mesh, "GetCells") else []
+    for cells in arrays:
+        if cells is None or cells.GetNumberOfCells() == 0:
+            continue
+        ids = pv.convert_array(cells.GetConnectivityArray())
+        if ids.size and (ids.min() < 0 or ids.max() >= mesh.n_points):
+            bad = ids.max() if ids.max() >= mesh.n_points else ids.min()
+            raise DataError(f"{path}: a cell names point {int(bad)}, but the mesh has "
+                            f"{mesh.n_points} points (a corrupt or hand-edited file)")
 
 
 def _single(dataset, path: Path):
@@ -200,9 +266,39 @@ def _vtk_read(path: Path, make_reader: Callable[[], Any] | None = None):
 @register_format("vtu", (".vtu",), "pyvista", doc="VTK XML unstructured grid")
 @register_format("vtp", (".vtp",), "pyvista", doc="VTK XML polygonal data (surfaces)")
 @register_format("vtk", (".vtk",), "pyvista", doc="VTK legacy file")
-@register_format("vtkhdf", (".vtkhdf",), "pyvista", doc="VTKHDF (HDF5) file")
 def read_vtk(path: Path):
     return _vtk_read(path)
+
+
+@register_format("vtkhdf", (".vtkhdf",), "pyvista", doc="VTKHDF (HDF5) file")
+def read_vtkhdf(path: Path):
+    """A VTKHDF file whose data are all its own (:func:`hdf5_data_inside`)."""
+    hdf5_data_inside(path)
+    return _vtk_read(path)
+
+
+def hdf5_data_inside(path: Path) -> None:
+    """Refuse an HDF5 file that reads data from other files -- an external link, a dataset
+    with external storage (raw bytes of any file, at any path) or a virtual dataset --
+    which VTK's reader would follow wherever they point (as an XDMF data item would,
+    :func:`xdmf_tree`); a :class:`DataError` naming the file and the object."""
+    found: list[str] = []
+
+    def look(name: str, link: Any) -> None:
+        if isinstance(link, h5py.ExternalLink):
+            found.append(f"{name!r} is an external link to {link.filename!r}")
+            return
+        item = f.get(name)
+        if isinstance(item, h5py.Dataset) and (item.external or item.is_virtual):
+            found.append(f"dataset {name!r} reads its data from "
+                         + ("external files" if item.external else "other datasets (virtual)"))
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems_links(look)
+    except OSError as err:
+        raise DataError(f"{path}: unreadable or truncated HDF5 file ({err})") from None
+    if found:
+        raise DataError(f"{path}: {found[0]}; a VTKHDF file is read from its own data only")
 
 
 @register_format("stl", (".stl",), "pyvista", arrays=False,
@@ -678,7 +774,7 @@ def _vtk_write(mesh, path: Path, target: Path) -> None:
                       str(target))
 
 
-__all__ = ["CellGeometry", "FanTable", "MESH_FORMATS", "MeshFormat", "cell_dimension",
-           "cell_geometry", "cell_type_dimension", "fan_table", "format_of", "known_suffixes",
-           "mesh_suffix", "point_cloud", "read_mesh", "register_format", "write_fields",
-           "written_bytes"]
+__all__ = ["CellGeometry", "FanTable", "MESH_FORMATS", "MeshFormat", "MeshTooLarge",
+           "cell_dimension", "cell_geometry", "cell_type_dimension", "declared_rows",
+           "fan_table", "format_of", "hdf5_data_inside", "known_suffixes", "mesh_suffix",
+           "point_cloud", "read_mesh", "register_format", "write_fields", "written_bytes"]

@@ -167,13 +167,15 @@ def store_cases(samples: StoreSamples, targets: bool = True) -> Iterator[Case]:
                    recorded=recorded)
 
 
-def geometry_case(path: str | Path, name: str | None = None) -> Case:
+def geometry_case(path: str | Path, name: str | None = None, *,
+                  max_rows: int | None = None) -> Case:
     """A surface geometry alone (STL, VTP, ... any format :func:`~flarepp.data.meshes.
     read_mesh` reads) as the surface task's inputs: each cell's centre and unit normal
     (:func:`~flarepp.data.meshes.cell_geometry`, as the DrivAerML reader computes them), its
-    area kept for the integrated force; named ``name`` (default the file's stem)."""
+    area kept for the integrated force; named ``name`` (default the file's stem);
+    ``max_rows`` bounds its points and cells (:func:`~flarepp.data.meshes.read_mesh`)."""
     path = Path(path)
-    cells = cell_geometry(read_mesh(path), path)
+    cells = cell_geometry(read_mesh(path, max_rows=max_rows), path)
     if cells.dimension != 2:
         raise DataError(f"{path}: its cells are {cells.dimension}-D; a geometry for the "
                         "surface task is a surface of triangles, quads or polygons")

@@ -99,10 +99,11 @@ def table_conditions(path: str | Path, layout: ChannelLayout) -> dict[str, dict[
 
 def mesh_cases(predictor: Predictor, path: str | Path, *,
                conditions: dict[str, float] | None = None, table: str | Path | None = None,
-               geometry: bool = False) -> Iterator[Case]:
+               geometry: bool = False, max_rows: int | None = None) -> Iterator[Case]:
     """The cases of the mesh file(s) at ``path`` (module docstring), one at a time, with
     ``conditions`` (by name) or the rows of ``table``; ``geometry``: ``--geometry``, a
-    surface alone, refused for a run whose inputs are anything else."""
+    surface alone, refused for a run whose inputs are anything else; ``max_rows`` bounds
+    each mesh's points and cells, declared or read, before its inputs are built."""
     if geometry and not takes_surface_geometry(predictor):
         raise PredictorError(f"--geometry gives a surface's cell centres and normals; this "
                              f"run's model takes {predictor.layout.describe()} (use --mesh, "
@@ -112,14 +113,14 @@ def mesh_cases(predictor: Predictor, path: str | Path, *,
         if conditions or table:
             raise PredictorError("this surface run takes no conditions")
         for name, file in files:
-            yield geometry_case(file, name)
+            yield geometry_case(file, name, max_rows=max_rows)
         return
     layout = run_layout(predictor)
     rows = {} if table is None else table_conditions(table, layout)
     takes = predictor.layout.conditions is not None
     for name, file in files:
         given = conditions or rows.get(name, rows.get(Path(name).name, {}))
-        x, values = mesh_inputs(file, layout, given)
+        x, values = mesh_inputs(file, layout, given, max_rows=max_rows)
         yield Case(name, x[None], conditions=np.asarray([values], np.float32) if takes
                    else None, source=str(file), association=layout.association)
 

@@ -392,4 +392,5 @@ def _check_round_trip(model: torch.nn.Module, out: Path, config: dict[str, Any])
 
 
 __all__ = ["EXPORTABLE", "KNOWN_ARGS", "MIXER_OF", "REFUSED", "SIZE_ARGS", "TARGET_VERSION",
-           "check_args", "check_sizes", "export_mdlus", "exportable", "import_mdlus", "normalizers_path", "read_mdlus"]
+           "check_args", "check_sizes", "export_mdlus", "exportable", "import_mdlus",
+           "normalizers_path", "read_mdlus"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flarepp.data.meshes import read_mesh, write_fields
+from flarepp.data.meshes import format_of, read_mesh, write_fields
 from flarepp.inference.mesh_cases import mesh_cases
 from flarepp.serve.run import ServedRun
 from flarepp.storage.locks import file_safe
@@ -44,14 +44,28 @@ class MeshRequest:
     areas: np.ndarray | None = None
 
 
-def mesh_request(run: ServedRun, path: Path, conditions: dict[str, float]) -> MeshRequest:
+OTHER_FILES = ("ensight", "openfoam")
+"""Mesh formats whose file names other files (an EnSight case its geometry and variables,
+an OpenFOAM marker its case directory): an upload is one file, so these are refused
+(their readers would look for the other files beside it, or wherever it points)."""
+
+
+def mesh_request(run: ServedRun, path: Path, conditions: dict[str, float], *,
+                 max_rows: int | None = None) -> MeshRequest:
     """The inputs of the mesh file ``path`` for ``run`` (module docstring); ``conditions``
-    by name in the run's units. Raises a sentence for a run whose inputs cannot be built
-    from a mesh, a file no reader takes, or conditions the run lacks."""
+    by name in the run's units; ``max_rows`` bounds the mesh's points and cells, declared
+    or read, before its inputs are built (:class:`~flarepp.data.meshes.MeshTooLarge`).
+    Raises a sentence for a run whose inputs cannot be built from a mesh, a file no
+    reader takes or of a format that names other files, or conditions the run lacks."""
     refused = run.mesh_support()
     if refused is not None:
         raise ValueError(refused)
-    case = next(mesh_cases(run.predictor, path, conditions=conditions))
+    fmt = format_of(path)
+    if fmt in OTHER_FILES:
+        raise ValueError(f"a {path.suffix} file ({fmt}) names other files, which an upload "
+                         "does not bring; send a single-file mesh (VTU, VTP, VTK, VTKHDF, "
+                         "STL, Gmsh, XDMF)")
+    case = next(mesh_cases(run.predictor, path, conditions=conditions, max_rows=max_rows))
     return MeshRequest(case.x[0], None if case.conditions is None else case.conditions[0],
                        case.association, case.areas)
 
@@ -89,5 +103,5 @@ def write_prediction(source: Path, request: MeshRequest, fields_NO: np.ndarray,
     return write_fields(outer, {}, request.association, out.with_name(out.name + "-surface"))
 
 
-__all__ = ["MeshRequest", "field_names", "integrated_force", "mesh_request",
+__all__ = ["MeshRequest", "OTHER_FILES", "field_names", "integrated_force", "mesh_request",
            "write_prediction"]

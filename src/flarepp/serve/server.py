@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from flarepp.data.meshes import MeshTooLarge
 from flarepp.serve.batching import MicroBatcher, make_job
 from flarepp.serve.extra import require_kserve
 from flarepp.serve.limits import Guard, Limits, Refused, check_listen
@@ -159,7 +160,12 @@ class SurrogateModel(kserve.Model):
         the file written beside it and the summary."""
         started = time.perf_counter()
         try:
-            request = await asyncio.to_thread(mesh_request, self.run, path, conditions)
+            request = await asyncio.to_thread(mesh_request, self.run, path, conditions,
+                                              max_rows=self.limits.max_points)
+        except MeshTooLarge as err:
+            raise Refusal(413, f"{err} (--max-points)") from None
+        except MemoryError:
+            raise Refusal(413, "the mesh's inputs do not fit in this server's memory") from None
         except ValueError as err:
             raise InvalidInput(str(err)) from None
         points, features = self.run.split_inputs(request.x)
@@ -278,17 +284,32 @@ class Routes:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    names = [name for name, _ in pairs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{twice} given twice")
+    return dict(pairs)
+
+
 def _conditions(text: Any) -> dict[str, float]:
+    """The multipart field ``conditions``: a JSON object of numbers by name (a name given
+    twice, a string or a boolean is refused, as a condition table's are)."""
     if text is None or text == "":
         return {}
     try:
-        values = json.loads(text)
+        values = json.loads(text, object_pairs_hook=_pairs)
         if not isinstance(values, dict):
             raise ValueError("not an object")
+        wrong = [k for k, v in values.items()
+                 if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if wrong:
+            raise ValueError(f"{wrong[0]!r} is {values[wrong[0]]!r}, not a number")
         return {str(k): float(v) for k, v in values.items()}
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else err
         raise InvalidInput(f"conditions must be a JSON object of numbers by name, e.g. "
-                           f'{{"load": 2.5}}, got {str(text)[:80]!r} ({err})') from None
+                           f'{{"load": 2.5}}, got {str(text)[:80]!r} ({reason})') from None
 
 
 def build_app(models: dict[str, SurrogateModel], dataplane: Any, extension: Any,
