@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -376,3 +377,93 @@ def test_fine_tuning_starts_from_an_imported_run(tmp_path):
         assert torch.equal(value, before[key]), key
     trainer.fit()
     assert (tmp_path / "tuned" / "checkpoints" / "epoch_0001.pt").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# crafted files (the hostile probe of issue 41): one sentence naming the file, nothing built
+
+def crafted_mdlus(tmp_path: Path, *, drop: str | None = None, metadata=None,
+                  weight=None, **args) -> Path:
+    """The FLARE fixture with an argument dropped or changed, metadata.json replaced, or
+    one weight (the first block's out_linear) replaced by ``weight``."""
+    out = tmp_path / "crafted.mdlus"
+    with zipfile.ZipFile(FIXTURES / "physicsnemo_flare.mdlus") as src:
+        files = {n: src.read(n) for n in src.namelist()}
+    header = json.loads(files["args.json"])
+    header["__args__"].update(args)
+    header["__args__"].pop(drop, None)
+    files["args.json"] = json.dumps(header).encode()
+    if metadata is not None:
+        files["metadata.json"] = json.dumps(metadata).encode()
+    if weight is not None:
+        state = torch.load(io.BytesIO(files["model.pt"]), weights_only=True)
+        state["blocks.0.Attn.out_linear.weight"] = weight
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        files["model.pt"] = buffer.getvalue()
+    with zipfile.ZipFile(out, "w") as dst:
+        for name, data in files.items():
+            dst.writestr(name, data)
+    return out
+
+
+NAN_WEIGHT = torch.full((16, 16), float("nan"))
+
+
+@pytest.mark.parametrize("crafted, said", [
+    (dict(drop="out_dim"), "lacks the argument 'out_dim'"),          # was KeyError
+    (dict(n_head=0), "n_head=0 must be an integer >= 1"),              # ZeroDivisionError
+    (dict(n_hidden="abc"), "n_hidden='abc' must be an integer"),       # int()'s words only
+    (dict(n_layers=10**9), "n_layers=1000000000 but model.pt holds 2"),  # killed for memory
+    (dict(slice_num=10**12), "has shape [4, 6, 4] where the model"),   # 64 TB allocation
+    (dict(metadata=[1]), "metadata.json is a list"),                   # AttributeError
+    (dict(weight=torch.zeros(5, 7)), "'blocks.0.mixer.out_proj.weight' has shape [5, 7]"),
+    (dict(weight=3), "is a int, not a real floating-point tensor"),   # AttributeError
+    (dict(weight=torch.zeros(16, 16, dtype=torch.complex64)), "complex64"),  # imag dropped
+    (dict(weight=NAN_WEIGHT), "holds NaN or infinite weights")])      # imported, NaN out
+def test_a_crafted_mdlus_is_one_sentence_naming_the_file(tmp_path, crafted, said):
+    path = crafted_mdlus(tmp_path, **crafted)
+    with pytest.raises(InteropError) as err:
+        import_checkpoint("physicsnemo", path, tmp_path / "run", normalizers="identity")
+    message = str(err.value)
+    assert said in message and str(path) in message and "\n" not in message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stats, said", [
+    ({"x": {"mean": [float("nan"), 0, 0], "std": [1, 1, 1]}}, "x.mean must be 3 finite"),
+    ({"x": {"mean": [0, 0, 0], "std": [float("inf"), 1, 1]}}, "x.std must be 3 positive finite"),
+    ({"x": {"mean": ["a", 0, 0], "std": [1, 1, 1]}}, "must be lists of numbers"),
+    ({"coordinates": 99}, "coordinates=99 must be an integer from 0 to the model's 3"),
+    ({"input_names": ["a"]}, "input_names must be 3 names")])
+def test_a_statistics_file_that_cannot_be_the_models_is_refused(tmp_path, stats, said):
+    """Accepted before: a run that no command could load (NaN/inf maps), one describing
+    itself as '99 coordinate channels and -96 feature channels' and exported as a .mdlus of
+    functional_dim=-96, or one naming its 3 inputs by 1 name."""
+    good = {"x": {"mean": [0, 0, 0], "std": [1, 1, 1]}, "y": {"mean": [0, 0], "std": [1, 1]}}
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({**good, **stats}))
+    with pytest.raises(InteropError, match=re.escape(said)) as err:
+        import_checkpoint("physicsnemo", FIXTURES / "physicsnemo_flare.mdlus",
+                          tmp_path / "run", normalizers=str(path))
+    assert str(path) in str(err.value) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"channel_dim": None}, "lacks it"), ({"num_heads": 0}, "num_heads=0: must be an integer"),
+    ({"num_blocks": 10**9}, "num_blocks=1000000000 but the state dict holds 2")])
+def test_a_crafted_flare_py_config_is_one_sentence(tmp_path, changes, said):
+    case = tmp_path / "case"
+    shutil.copytree(FIXTURES / "flare_py_flarepp", case)
+    config = yaml.safe_load((case / "config.yaml").read_text())
+    for key, value in changes.items():
+        config["model"][key] = value
+        if value is None:
+            del config["model"][key]
+    (case / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(InteropError, match=re.escape(said)):
+        import_flare_py(case)
+    (case / "config.yaml").write_text("model: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(InteropError, match="not a readable YAML config") as err:
+        import_flare_py(case)
+    assert "\n" not in str(err.value)
