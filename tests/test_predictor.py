@@ -187,7 +187,8 @@ def test_infer_of_an_npz_predicts_every_sample_it_holds(darcy_run, tmp_path, cap
     capsys.readouterr()
     assert cli(["infer", str(run), "--data", str(tmp_path / "cases.npz"), "--out",
                 str(tmp_path / "pred.npz"), "--device", "cpu"]) == 0
-    assert "pred [3, 30, 1]" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "pred [3, 30, 1]" in said and "pred.npz: 3 case(s)" in said   # was "1 case(s)"
     predictor = flarepp.load(run, device="cpu")
     assert predictor.layout.coordinates is None       # an npz without coords: all as points
     want = predictor.predict(x)

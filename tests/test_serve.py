@@ -252,9 +252,10 @@ def upload(server, model, filename, content, conditions=None, query="", headers=
     boundary = uuid.uuid4().hex
     parts = [(f'--{boundary}\r\nContent-Disposition: form-data; name="mesh"; '
               f'filename="{filename}"\r\n\r\n').encode() + content + b"\r\n"]
-    if conditions is not None:
+    if conditions is not None:     # an object, or a string sent as it is
+        text = conditions if isinstance(conditions, str) else json.dumps(conditions)
         parts.append((f'--{boundary}\r\nContent-Disposition: form-data; name="conditions"'
-                      f'\r\n\r\n{json.dumps(conditions)}\r\n').encode())
+                      f'\r\n\r\n{text}\r\n').encode())
     body = b"".join(parts) + f"--{boundary}--\r\n".encode()
     return request(server, f"/v2/models/{model}/mesh{query}", data=body,
                    headers={**headers, "Content-Type": f"multipart/form-data; boundary={boundary}"})
@@ -514,6 +515,48 @@ def test_a_broken_or_unreadable_mesh_gets_400_naming_the_file(server, reference)
         assert said in json.loads(body)["error"], (name, body)
     status, body, _ = upload(server, "elastic", "x.vtu", b"", {"load": "heavy"})
     assert status == 400 and "conditions must be a JSON object of numbers" in body.decode()
+    assert_still_serving(server, reference)
+
+
+@pytest.mark.slow
+def test_hostile_uploads_are_refused_and_the_server_lives(server, reference, tmp_path):
+    """The serve probe of issue 41: a 100-byte VTU declaring 2e9 points aborted the server
+    (VTK's std::bad_alloc), a legacy grid of 1e8 points was a 500 after 763 MiB; a VTKHDF
+    whose points are another file's bytes was read (and would be returned); a cell naming a
+    missing point was a 500 (IndexError) for the surface run; an EnSight case read files
+    its text names; conditions true, "2" or given twice were taken. Now: 413 or 400, each
+    a sentence, and the server answers on."""
+    import h5py
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.zeros(30).tobytes())
+    hdf = tmp_path / "ext.vtkhdf"
+    with h5py.File(hdf, "w") as f:
+        g = f.create_group("VTKHDF")
+        g.attrs["Version"], g.attrs["Type"] = (2, 1), np.bytes_("UnstructuredGrid")
+        g.create_dataset("Points", shape=(10, 3), dtype="f8",
+                         external=[(str(secret), 0, h5py.h5f.UNLIMITED)])
+    big_vtu = (b'<?xml version="1.0"?><VTKFile type="UnstructuredGrid"><UnstructuredGrid>'
+               b'<Piece NumberOfPoints="2000000000" NumberOfCells="0"></Piece>'
+               b'</UnstructuredGrid></VTKFile>')
+    grid = (b"# vtk DataFile Version 3.0\nx\nASCII\nDATASET STRUCTURED_POINTS\nDIMENSIONS "
+            b"1000 1000 100\nORIGIN 0 0 0\nSPACING 1 1 1\n")
+    bad_cell = (b"# vtk DataFile Version 3.0\nx\nASCII\nDATASET POLYDATA\nPOINTS 3 float\n"
+                b"0 0 0 1 0 0 0 1 0\nPOLYGONS 1 4\n3 0 1 99\n")
+    for model, name, content, conditions, status, said in (
+            ("elastic", "big.vtu", big_vtu, {"load": 1.0}, 413, "declares 2000000000 points"),
+            ("car", "grid.vtk", grid, None, 413, "over the 300000 allowed (--max-points)"),
+            ("elastic", "ext.vtkhdf", hdf.read_bytes(), {"load": 1.0}, 400,
+             "reads its data from external files"),
+            ("car", "bad.vtk", bad_cell, None, 400, "a cell names point 99"),
+            ("elastic", "x.case", b"FORMAT\ntype: ensight gold\nGEOMETRY\nmodel: ../x.geo\n",
+             {"load": 1.0}, 400, "names other files"),
+            ("elastic", "x.vtu", b"", '{"load": true}', 400, "is True, not a number"),
+            ("elastic", "x.vtu", b"", '{"load": "2"}', 400, "is '2', not a number"),
+            ("elastic", "x.vtu", b"", '{"load": 1, "load": 2}', 400, "given twice"),
+            ("elastic", "x.vtu", b"", '{"load": ' + "[" * 10**5 + "]" * 10**5 + "}", 400,
+             "nested too deeply")):
+        status_got, body, _ = upload(server, model, name, content, conditions)
+        assert status_got == status and said in json.loads(body)["error"], (name, body[:300])
     assert_still_serving(server, reference)
 
 

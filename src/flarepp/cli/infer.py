@@ -138,7 +138,7 @@ def _infer(args: argparse.Namespace) -> int:
                         pass
                     return 0
                 done = _written(args, predictor, results, how)
-    say(f"wrote {args.out}: {len(done)} case(s) ({how})")
+    say(f"wrote {args.out}: {sum(r['samples'] for r in done)} case(s) ({how})")
     return 0
 
 

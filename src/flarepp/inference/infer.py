@@ -332,7 +332,8 @@ def _errors(predictor: Predictor, case: Case, pred: np.ndarray, surface: bool
 def write_predictions(path: str | Path, results: Iterable[dict[str, Any]]) -> list[dict]:
     """Write the cases into the ``.npz`` at ``path`` as they arrive, atomically (module
     docstring: one unnamed case as ``pred``, ``rel_l2``, ``mask``; named cases as
-    ``pred_<name>`` and the per-case numbers). Returns the per-case numbers (no arrays)."""
+    ``pred_<name>`` and the per-case numbers). Returns the per-case numbers (no arrays; a
+    result's ``samples``: how many it held)."""
     done: list[dict[str, Any]] = []
 
     def array(archive: zipfile.ZipFile, key: str, value: Any) -> None:
@@ -349,7 +350,8 @@ def write_predictions(path: str | Path, results: Iterable[dict[str, Any]]) -> li
                             array(archive, key, r[key])
                 else:
                     array(archive, f"pred_{r['name']}", r["pred"][0])
-                done.append({k: v for k, v in r.items() if k not in ("pred", "mask", "case")})
+                done.append({**{k: v for k, v in r.items() if k not in ("pred", "mask", "case")},
+                             "samples": len(r["pred"])})
             named = [r for r in done if r["name"] is not None]
             if named:
                 array(archive, "cases", [r["name"] for r in named])
