@@ -187,6 +187,26 @@ def test_listening_beyond_loopback_needs_a_token(tmp_path, capsys, monkeypatch):
     assert "kserve" not in sys.modules
 
 
+def test_the_command_line_refuses_what_it_cannot_serve_as_asked(tmp_path, capsys, monkeypatch):
+    """The serve probe of issue 41: `--grpc-port 99999` served gRPC on 34463 (modulo 65536),
+    `--grpc-port -5` served none, `--port 99999` was an OverflowError traceback; a blank
+    $FLAREPP_SERVE_TOKEN was a token no client can send, taken on 0.0.0.0; a run that does
+    not exist was "model name ''". Each is a usage error (exit 2) before KServe is imported."""
+    for args, said in ((["--port", "99999"], "--port: must be an integer from 0 to 65535"),
+                       (["--grpc-port", "99999"], "from -1 to 65535, got 99999"),
+                       (["--grpc-port", "-5"], "from -1 to 65535, got -5")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", str(tmp_path), *args])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    monkeypatch.setenv("FLAREPP_SERVE_TOKEN", "   ")
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    assert "$FLAREPP_SERVE_TOKEN is empty" in capsys.readouterr().err
+    monkeypatch.delenv("FLAREPP_SERVE_TOKEN")
+    assert main(["serve", str(tmp_path / "nope")]) == 2
+    assert "nope' (from" in capsys.readouterr().err
+    assert "kserve" not in sys.modules
+
+
 # ---------------------------------------------------------------------------------------------
 # a server
 

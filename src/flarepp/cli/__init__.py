@@ -86,16 +86,18 @@ def say(line: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def at_least(low: int):
-    """An argparse ``type`` for an integer option that must be ``>= low``: anything else
-    is a usage error naming the option and the value (exit status 2)."""
+def at_least(low: int, *, most: int | None = None):
+    """An argparse ``type`` for an integer option that must be ``>= low`` (and ``<= most``
+    where given, e.g. a TCP port): anything else is a usage error naming the option and
+    the value (exit status 2)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        if value < low or (most is not None and value > most):
+            bounds = f">= {low}" if most is None else f"from {low} to {most}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
         return value
     return parse
 

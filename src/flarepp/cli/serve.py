@@ -19,6 +19,9 @@ def _runs(specs: list[str]) -> dict[str, Path]:
     for spec in specs:
         name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
         path = Path(path)
+        if not path.exists():
+            raise CLIError(f"{str(path)!r} (from {spec!r}): no such run directory or "
+                           "checkpoint")
         name = name or (path.name if path.is_dir() else path.parent.parent.name)
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise CLIError(f"model name {name!r} (from {spec!r}): use letters, digits, '.', "
@@ -30,15 +33,18 @@ def _runs(specs: list[str]) -> dict[str, Path]:
 
 
 def _token(path: str | None) -> str | None:
-    if path is None:
-        return os.environ.get(TOKEN_ENV) or None
+    """``--token-file``'s or ``$FLAREPP_SERVE_TOKEN``'s token, stripped; a blank one refused."""
+    where = f"--token-file {path!r}" if path is not None else f"${TOKEN_ENV}"
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        token = (os.environ.get(TOKEN_ENV) if path is None
+                 else Path(path).read_text(encoding="utf-8"))
     except OSError as err:
-        raise CLIError(f"--token-file {path!r}: {err.strerror}") from None
-    if not token:
-        raise CLIError(f"--token-file {path!r} is empty")
-    return token
+        raise CLIError(f"{where}: {err.strerror}") from None
+    if token is None or (path is None and token == ""):
+        return None
+    if not token.strip():
+        raise CLIError(f"{where} is empty")
+    return token.strip()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,8 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "or NAME=PATH (default name: the run's folder)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; another needs a token)")
-    p.add_argument("--port", type=at_least(0), default=8080, help="REST port (0: any free)")
-    p.add_argument("--grpc-port", type=int, default=8081,
+    p.add_argument("--port", type=at_least(0, most=65535), default=8080, help="REST port (0: any free)")
+    p.add_argument("--grpc-port", type=at_least(-1, most=65535), default=8081,
                    help="gRPC port (0: any free; -1: no gRPC)")
     p.add_argument("--token-file", help=f"a file holding the token every call must send "
                    f"('Authorization: Bearer TOKEN'); default ${TOKEN_ENV}")
