@@ -187,7 +187,7 @@ def test_a_new_mesh_refusals_are_sentences(store_run, tmp_path, capsys):
     mesh = cases / "test" / "case_0000.vtu"
     out = tmp_path / "p.npz"
     assert main(["infer", str(run), "--mesh", str(mesh), "--condition", "speed=1",
-                 "--out", str(out)]) == 1
+                 "--out", str(out)]) == 2         # a bad option value (was 1, a data error)
     assert "conditions ['speed'] are not this run's" in capsys.readouterr().err
     assert main(["infer", str(run), "--mesh", str(mesh), "--condition", "load=nan",
                  "--out", str(out)]) == 1
@@ -198,6 +198,40 @@ def test_a_new_mesh_refusals_are_sentences(store_run, tmp_path, capsys):
     assert main(["infer", str(darcy), "--mesh", str(mesh), "--out", str(out)]) == 2
     assert "were not read from a mesh array" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_new_mesh_probe_of_issue_41(store_run, tmp_path, capsys):
+    """`--write-mesh` into the folder of the meshes replaced case_0000.vtu, the user's
+    source, by the prediction; a 300-byte VTU declaring 2e9 points aborted the process in
+    VTK (std::bad_alloc, exit 134); an OpenFOAM marker without its case was "AttributeError:
+    'NoneType' object has no attribute 'GetNumberOfValues'"; a mesh without its condition
+    said "nor in None". Each is now a sentence, nothing written."""
+    cases, _, run = store_run
+    source = tmp_path / "meshes" / "case_0000.vtu"
+    source.parent.mkdir()
+    shutil.copy(cases / "test" / "case_0000.vtu", source)
+    before = source.read_bytes()
+    out = tmp_path / "p.npz"
+    assert main(["infer", str(run), "--mesh", str(source), "--write-mesh", str(source.parent),
+                 "--out", str(out)]) == 1
+    assert "is case 'case_0000''s own source mesh" in capsys.readouterr().err
+    assert source.read_bytes() == before and not out.exists()
+    huge = tmp_path / "huge.vtu"
+    huge.write_bytes(b'<?xml version="1.0"?><VTKFile type="UnstructuredGrid"><Unstructured'
+                     b'Grid><Piece NumberOfPoints="2000000000000" NumberOfCells="0"></Piece>'
+                     b'</UnstructuredGrid></VTKFile>')
+    (tmp_path / "foam").mkdir()
+    (tmp_path / "foam" / "case.foam").write_text("")
+    bare = tmp_path / "bare.vtu"
+    mesh = pv.read(source)
+    mesh.field_data.clear()
+    mesh.save(bare)
+    for path, said in ((huge, "declares 2000000000000 points or cells, whose coordinates "
+                              "alone need"),
+                       (tmp_path / "foam" / "case.foam", "constant/polyMesh missing"),
+                       (bare, "nor given by name (infer's --condition NAME=VALUE")):
+        assert main(["infer", str(run), "--mesh", str(path), "--out", str(out)]) == 1
+        assert said in capsys.readouterr().err and not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -329,7 +329,9 @@ def _conditions(mesh, case: Case, spec: ConversionSpec,
         else:
             where = (f" nor in {spec.condition_table} (which has "
                      f"{'no row' if row is None else 'no value'} for case {case.name!r})"
-                     if rows is not None else "")
+                     if spec.condition_table is not None else
+                     " nor given by name (infer's --condition NAME=VALUE or --conditions "
+                     "TABLE; serve's conditions)" if rows is not None else "")
             raise DataError(f"{case.path}: condition {cond.array!r} is missing: not in its "
                             f"field data ({sorted(mesh.field_data.keys())}){where}")
         value *= cond.scale

@@ -53,6 +53,7 @@ import h5py
 import numpy as np
 
 from flarepp.data.base import DataError
+from flarepp.device import available_memory
 from flarepp.registry import Registry
 
 MESH_IO_HINT = "pip install 'flarepp[mesh-io]'"
@@ -149,6 +150,10 @@ def declared_rows(path: Path, fmt: str) -> int:
     return max(totals.values(), default=0)
 
 
+POINT_BYTES = 12
+"""Bytes of one point's coordinates as a reader allocates them (3 float32) at the least."""
+
+
 def _check_rows(path: Path, rows: int, max_rows: int | None, how: str) -> None:
     if max_rows is not None and rows > max_rows:
         raise MeshTooLarge(f"{path.name}: the mesh {how} {rows} points or cells, over the "
@@ -159,9 +164,11 @@ def read_mesh(path: str | Path, fmt: str | None = None, *, max_rows: int | None 
     """``path`` as one pyvista dataset with at least one point (``fmt``: a registered
     format, default the one of its suffix); :class:`DataError` naming the file otherwise.
     ``max_rows`` bounds its points and cells (:class:`MeshTooLarge`): as the file declares
-    them before any is read (VTK XML and legacy files, which a few bytes can make declare
-    billions), and as read, before any array of them is built (a legacy grid's points
-    exist only once asked for). A cell naming a point the mesh lacks is refused."""
+    them before any is read (VTK XML, legacy VTK and Gmsh files, which a few bytes can make
+    declare billions, which the readers allocate or abort on), and as read, before any
+    array of them is built (a legacy grid's points exist only once asked for); whatever
+    ``max_rows``, a declaration whose coordinates alone exceed the memory this process may
+    allocate is refused. A cell naming a point the mesh lacks is refused."""
     path = Path(path)
     fmt = fmt or format_of(path)
     if fmt is None:
@@ -172,8 +179,12 @@ def read_mesh(path: str | Path, fmt: str | None = None, *, max_rows: int | None 
     entry = MESH_FORMATS.get(fmt)
     if not entry.marker and path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty (0 bytes)")
-    if max_rows is not None:
-        _check_rows(path, declared_rows(path, fmt), max_rows, "declares")
+    declared = declared_rows(path, fmt)
+    _check_rows(path, declared, max_rows, "declares")
+    if declared * POINT_BYTES > (free := available_memory()):
+        raise MeshTooLarge(f"{path}: the mesh declares {declared} points or cells, whose "
+                           f"coordinates alone need {declared * POINT_BYTES / 2**30:.1f} GiB, "
+                           f"more than the {free / 2**30:.1f} GiB this process may allocate")
     mesh = _single(entry.read(path), path)
     if mesh.n_points == 0:
         raise DataError(f"{path}: the mesh has no points (an empty or truncated {fmt} file)")
@@ -318,6 +329,10 @@ def read_ensight(path: Path):
                      "cell fields as cell data")
 def read_openfoam(path: Path):
     pv = require_pyvista()
+
+    if not (path.parent / "constant" / "polyMesh").is_dir():
+        raise DataError(f"{path}: the OpenFOAM case has no internal mesh (constant/polyMesh "
+                        "missing beside the .foam file)")
 
     def reader():
         made = pv.POpenFOAMReader(str(path))

@@ -464,6 +464,9 @@ def write_on_mesh(out_dir: str | Path, results: Iterable[dict[str, Any]],
             centres = x[:, :coordinates or min(3, x.shape[1])]  # points, or cell centres
             mesh, association = _source_mesh(case, stem, centres)
             target = targets.claim(stem, mesh_suffix(mesh))
+            if case.source is not None and Path(case.source).resolve() == target.resolve():
+                raise DataError(f"--write-mesh: {target} is case {stem!r}'s own source mesh, "
+                                "which the prediction would replace; give another folder")
             picture = targets.claim(stem, ".png")
             path = write_fields(mesh, arrays, association, target.with_name(target.stem),
                                 where=case.source or stem)

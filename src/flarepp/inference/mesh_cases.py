@@ -116,6 +116,10 @@ def mesh_cases(predictor: Predictor, path: str | Path, *,
             yield geometry_case(file, name, max_rows=max_rows)
         return
     layout = run_layout(predictor)
+    unknown = sorted(set(conditions or {}) - set(layout.condition_names))
+    if unknown:
+        raise PredictorError(f"conditions {unknown} are not this run's; it takes "
+                             f"{layout.condition_names or 'none'}")
     rows = {} if table is None else table_conditions(table, layout)
     takes = predictor.layout.conditions is not None
     for name, file in files:
