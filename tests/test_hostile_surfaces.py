@@ -108,6 +108,23 @@ def test_export_of_a_checkpoint_writes_beside_it_outside_a_run(tiny_run, tmp_pat
 
 
 @pytest.mark.slow
+def test_export_never_replaces_the_runs_own_files(tiny_run, tmp_path):
+    """`export --out RUN/checkpoints/epoch_N.pt` replaced the run's checkpoint (the file it
+    read) with the export, `--out RUN/config.json` its config, each with exit 0 (the serve
+    and import probe of issue 41); a checkpoint outside any run is refused as --out too."""
+    run = RunDir(tiny_run)
+    checkpoint = run.reported_checkpoint()
+    kept = {p: p.read_bytes() for p in (checkpoint, run.config_path)}
+    for out in (checkpoint, run.config_path):
+        assert main(["export", str(tiny_run), "--format", "safetensors", "--out",
+                     str(out)]) == 2
+    shutil.copy(checkpoint, tmp_path / "ckpt.pt")
+    assert main(["export", str(tmp_path / "ckpt.pt"), "--format", "safetensors", "--out",
+                 str(tmp_path / "ckpt.pt")]) == 2
+    assert all(p.read_bytes() == data for p, data in kept.items())
+
+
+@pytest.mark.slow
 def test_the_predictor_refuses_an_empty_batch_and_complex_numbers(tiny_run):
     """`predict` of a batch of 0 meshes raised numpy's "need at least one array to
     concatenate"; complex inputs lost their imaginary parts with only a ComplexWarning."""

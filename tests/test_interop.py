@@ -467,3 +467,14 @@ def test_a_crafted_flare_py_config_is_one_sentence(tmp_path, changes, said):
     with pytest.raises(InteropError, match="not a readable YAML config") as err:
         import_flare_py(case)
     assert "\n" not in str(err.value)
+
+
+def test_export_mdlus_writes_nothing_where_its_normalisers_cannot_go(tmp_path):
+    """A folder at out.normalizers.json: the .mdlus was written and left without its
+    normalisers, the error naming a temporary; now a sentence before anything is written."""
+    import_checkpoint("physicsnemo", FIXTURES / "physicsnemo_flare.mdlus", tmp_path / "run",
+                      normalizers="identity")
+    normalizers_path(tmp_path / "x.mdlus").mkdir()
+    with pytest.raises(InteropError, match="x.mdlus.normalizers.json, where the normalisers"):
+        export_mdlus(tmp_path / "run", tmp_path / "x.mdlus")
+    assert not (tmp_path / "x.mdlus").exists()

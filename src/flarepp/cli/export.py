@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from flarepp.cli import check_output
+from flarepp.cli import CLIError, check_output
 from flarepp.inference.export import FORMATS, export_run
 from flarepp.interop import EXPORT_FORMATS
 from flarepp.storage.rundir import owning_run, run_checkpoint
 
 
 def _export(args: argparse.Namespace) -> int:
-    out = args.out or owning_run(run_checkpoint(args.run)).exported(args.format)
+    checkpoint = run_checkpoint(args.run)
+    run = owning_run(checkpoint)
+    out = args.out or run.exported(args.format)
     check_output(out, directory=False)
+    record = run.record_of(out) or (Path(out).resolve() == checkpoint.resolve() or None)
+    if record:      # the checkpoint being read, or a record of its run: never replaced
+        raise CLIError(f"--out {str(out)!r} is the run's own "
+                       f"{'checkpoint' if record is True else record}; write the export "
+                       "elsewhere")
     if args.format in EXPORT_FORMATS:   # another implementation's format (flarepp.interop)
         written = EXPORT_FORMATS.get(args.format)(args.run, out, weights=args.weights)
         print(json.dumps(written))

@@ -357,6 +357,9 @@ def export_mdlus(run: str | Path, out: str | Path, *, weights: str | None = None
     coordinates = state.get("data", {}).get("inputs", {}).get("coordinates")
     args = _their_args(config, coordinates)
     out = Path(out)
+    if normalizers_path(out).is_dir():
+        raise InteropError(f"{normalizers_path(out)}, where the normalisers of {out.name} "
+                           "go, is a directory; nothing was written")
     _write_mdlus(out, args, _their_state(model, config["heads"]))
     deviation = _check_round_trip(model, out, config)
     norms = state["normalizers"]

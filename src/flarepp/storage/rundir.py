@@ -130,6 +130,18 @@ class RunDir:
     def curves(self) -> Path:
         return self.figure(self.CURVES)
 
+    def record_of(self, path: str | Path) -> str | None:
+        """The name of the run's own record that ``path`` is (its config, log, metrics,
+        provenance, lease and the like, or a file under ``checkpoints/``), None for any
+        other path (an export, a figure, a file elsewhere): what no output may replace."""
+        path = Path(path).resolve()
+        if path.parent == self.checkpoint_dir.resolve():
+            return f"{self.CHECKPOINTS}/{path.name}"
+        records = (self.CONFIG, self.LOG, self.METRICS, self.PARAM_GROUPS, self.PROVENANCE,
+                   self.FAILED, self.COST, self.PRUNED, self.TRACKING, self.LOCK)
+        return path.name if path.parent == self.path.resolve() and path.name in records \
+            else None
+
     def is_run(self) -> bool:
         """Whether the directory holds a run (its config or a checkpoint)."""
         return self.config_path.is_file() or bool(self.checkpoints())
