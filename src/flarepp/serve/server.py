@@ -343,6 +343,51 @@ def build_app(models: dict[str, SurrogateModel], dataplane: Any, extension: Any,
     return app
 
 
+def head_timeout_protocol(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol closing a connection whose request head has not arrived
+    within ``seconds`` of its opening or of the previous answer (the keep-alive time, if
+    longer): uvicorn itself waits for a head forever, so a client that opens connections
+    and sends a partial head (or nothing) held each one, and enough of them every file
+    descriptor the server has (a slow-headers attack, which needs no token)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeout(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self, wait: float) -> None:
+            self._disarm()
+            self.head_timer = self.loop.call_later(wait, self._expired)
+
+        def _disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _expired(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) \
+                    and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm(seconds)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm(max(seconds, self.timeout_keep_alive))
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadTimeout
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -386,8 +431,9 @@ async def _serve(runs: dict[str, ServedRun], settings: ServeSettings, workdir: P
     app = Guard(build_app(models, dataplane, extension, workdir), token=settings.token,
                 limits=settings.limits)
     sock = bind(settings.host, settings.http_port)
-    http = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                         lifespan="off", timeout_keep_alive=65))
+    http = uvicorn.Server(uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=65,
+        http=head_timeout_protocol(settings.limits.read_timeout)))
     grpc, grpc_port = (None, None) if settings.grpc_port is None else grpc_server(
         dataplane, extension, settings)
     workers = [asyncio.create_task(m.batcher.work()) for m in models.values()]
@@ -444,4 +490,4 @@ def serve(runs: dict[str, str | Path], settings: ServeSettings) -> None:
 
 
 __all__ = ["Refusal", "Routes", "ServeSettings", "SurrogateModel", "TokenInterceptor", "bind",
-           "build_app", "grpc_server", "request_arrays", "serve"]
+           "build_app", "grpc_server", "head_timeout_protocol", "request_arrays", "serve"]
