@@ -577,6 +577,16 @@ def test_hostile_uploads_are_refused_and_the_server_lives(server, reference, tmp
              "nested too deeply")):
         status_got, body, _ = upload(server, model, name, content, conditions)
         assert status_got == status and said in json.loads(body)["error"], (name, body[:300])
+    # a body that is no v2 request: FastAPI's 422 {"detail": [...]} echoing the input
+    for body in (b"[1, 2]", b"{", b"{}"):
+        status_got, answer, _ = request(server, "/v2/models/elastic/infer", data=body,
+                                        headers={**AUTH, "Content-Type": "application/json"})
+        assert status_got == 400 and "not a v2 inference request" in json.loads(answer)["error"]
+    assert request(server, "/v2/nothing-here")[0] == 404
+    # finite inputs the model overflows on: NaN fields were answered with 200
+    with pytest.raises(InferenceServerException, match="NaN or infinite at 5 of 5 point"):
+        infer(http, server, "elastic", {"points": np.full((5, 2), 3e38, np.float32),
+                                        "conditions": np.ones(1, np.float32)})
     assert_still_serving(server, reference)
 
 

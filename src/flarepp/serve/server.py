@@ -133,13 +133,20 @@ class SurrogateModel(kserve.Model):
                        deadline=time.monotonic() + self.limits.max_seconds)
         try:
             self.limits.check_points(job.points_count)
-            return await self.batcher.submit(job)
+            fields = await self.batcher.submit(job)
         except Refused as err:
             raise Refusal(err.status, str(err)) from None
         except InvalidInput:
             raise
         except ValueError as err:
             raise InvalidInput(str(err)) from None
+        mask = arrays[3]
+        bad = ~np.isfinite(fields).all(axis=-1) & (True if mask is None else np.asarray(mask))
+        if bad.any():   # finite inputs the model overflows on (e.g. 3e38): no NaN answered
+            raise InvalidInput(f"the prediction is NaN or infinite at {int(bad.sum())} of "
+                               f"{bad.size} point(s): the inputs lie too far outside the "
+                               "run's data for its model")
+        return fields
 
     async def predict(self, payload: Any, headers: Any = None,
                       response_headers: Any = None) -> Any:
@@ -316,7 +323,9 @@ def build_app(models: dict[str, SurrogateModel], dataplane: Any, extension: Any,
               workdir: Path) -> Any:
     """The REST app: flarepp's routes, KServe's v2 routes, metrics, the page."""
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
     from fastapi.staticfiles import StaticFiles
     from kserve import errors
     from kserve.protocol.rest.server import metrics_handler
@@ -335,6 +344,16 @@ def build_app(models: dict[str, SurrogateModel], dataplane: Any, extension: Any,
             return JSONResponse({"error": str(exc)}, status_code=getattr(exc, "status", status))
         return handler
 
+    async def malformed(_: Any, exc: Exception) -> Any:   # FastAPI's own {"detail": [...]}
+        status = getattr(exc, "status_code", 400)
+        errors = getattr(exc, "errors", lambda: [])()
+        what = errors[0].get("msg", "") if errors else str(getattr(exc, "detail", ""))
+        return JSONResponse({"error": f"the request body is not a v2 inference request "
+                                      f"({what})" if status in (400, 422) else what},
+                            status_code=400 if status == 422 else status)
+
+    app.add_exception_handler(RequestValidationError, malformed)
+    app.add_exception_handler(HTTPException, malformed)
     app.add_exception_handler(InvalidInput, answer(400))
     app.add_exception_handler(ModelNotFound, answer(404))
     app.add_exception_handler(errors.ModelNotReady, answer(503))
