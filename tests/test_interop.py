@@ -196,6 +196,8 @@ def test_files_that_are_no_checkpoint_are_a_sentence(tmp_path):
     junk.write_bytes(b"not an archive")
     with pytest.raises(InteropError, match="neither a zip nor a tar"):
         import_mdlus(junk)
+    with pytest.raises(InteropError, match="is a directory"):     # said "does not exist"
+        import_mdlus(tmp_path)
     partial = tmp_path / "partial.mdlus"
     with zipfile.ZipFile(partial, "w") as z:
         z.writestr("args.json", "{}")
