@@ -34,6 +34,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append("compile=True")
     if args.workers is not None:
         overrides.append(f"loader_workers={args.workers}")
+    if args.memory_budget is not None:
+        overrides.append(f"memory_budget_gib={args.memory_budget}")
     config = _run_config(args, overrides)
     data = Path(args.data or config.data_root)
     if not data.exists():
@@ -196,6 +198,11 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile every block (off by default; the first steps compile)")
     p.add_argument("--workers", type=at_least(0), metavar="W",
                    help="data-loader worker processes (default: 2 on CUDA, 0 on the CPU)")
+    p.add_argument("--memory-budget", type=float, metavar="GiB",
+                   help="resident memory the run and its loader workers may take: it chooses "
+                        "eval_chunk_size, loader_workers and an unset points_per_step within "
+                        "it and says so (default: the cgroup's or the address-space limit "
+                        "where one is set; flarepp.train.budget)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--init-from", metavar="RUN",
                    help="fine-tune: start from this run's weights (a run directory or a "

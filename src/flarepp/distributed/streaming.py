@@ -240,6 +240,14 @@ def _chunks(n_tokens: int, chunk_size: int) -> list[slice]:
     return [slice(i * chunk_size, min(n_tokens, (i + 1) * chunk_size)) for i in range(count)]
 
 
+def hidden_state_bytes(samples: int, tokens: int, width: int,
+                       dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the hidden state ``h [B, N, C]`` that :func:`stream_forward` keeps between
+    blocks for ``samples`` x ``tokens`` of residual width ``width`` in ``dtype`` (module
+    docstring, Memory): with the in- and outputs, all that grows with N."""
+    return samples * tokens * width * torch.empty((), dtype=dtype).element_size()
+
+
 def _storage_kind(hidden_on: str, nbytes: int, device: torch.device,
                   memory_budget: int | None) -> str:
     """Resolve ``hidden_on="auto"``: the compute device if it is not the host and ``h`` fits
@@ -546,7 +554,7 @@ class _Sweeps:
     def _store(self, sl: slice, h: torch.Tensor) -> None:
         if self.hidden is None:
             shape = (self.x_BNI.shape[0], self.x_BNI.shape[1], h.shape[-1])
-            nbytes = math.prod(shape) * h.element_size()
+            nbytes = hidden_state_bytes(*shape, h.dtype)
             hidden_on, memmap_dir, budget = self.where
             kind = _storage_kind(hidden_on, nbytes, self.device, budget)
             self.hidden = _HiddenState(kind, shape, h.dtype, self.device, memmap_dir)

@@ -26,7 +26,7 @@ from flarepp.rank_growth import LatentSchedule
 
 # How a run executes, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size",
-                  "keep_checkpoints")
+                  "keep_checkpoints", "memory_budget_gib")
 
 CONFIG_VERSION = 4
 """The format of a stored run config. 1: the configs of runs stored before the version was
@@ -46,7 +46,7 @@ FILE_SECTIONS: dict[str, tuple[str, ...]] = {
     "protocol": ("loss", "grad_loss_weight", "input_norm", "weight_decay_groups",
                  "momentum_cycle", "attn_scale", "precision", "eval_weights"),
     "runtime": ("device", "compile", "loader_workers", "eval_chunk_size", "checkpoint_every",
-                "eval_every", "plot_cases", "keep_checkpoints"),
+                "eval_every", "plot_cases", "keep_checkpoints", "memory_budget_gib"),
 }
 """How ``config.json`` groups the fields beside ``name``, ``task``, ``seed`` and ``model``
 (the model section is the ``model`` field itself)."""
@@ -129,7 +129,12 @@ class RunConfig:
     (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
     evaluation meshes in chunks of that many points; ``keep_checkpoints`` K keeps the K
     newest checkpoints of the run plus the one of the epoch with the best recorded metric
-    (``None`` keeps every one; older ones are deleted only after a newer one is written).
+    (``None`` keeps every one; older ones are deleted only after a newer one is written);
+    ``memory_budget_gib`` is the resident memory in GiB the run (its process and its loader
+    workers) may take, from which it chooses ``eval_chunk_size``, ``loader_workers`` and an
+    unset ``dataset_options.points_per_step`` (:mod:`flarepp.train.budget`; ``None``: the
+    cgroup's or the address-space limit where one is set, else no planning). A stored
+    config without it (written before it existed) reads as ``None``.
 
     ``latent_schedule`` grows the latent count M during training (rank-adaptive FLARE, the
     talk's Aim 1(a)): ``"16,32@10,64@20"`` starts at M = 16 and grows every FLARE / FLARE++
@@ -173,6 +178,7 @@ class RunConfig:
     eval_chunk_size: int | None = None
     latent_schedule: str | None = None
     keep_checkpoints: int | None = 3
+    memory_budget_gib: float | None = None
 
     def __post_init__(self) -> None:
         # JSON has no tuples: a stored or typed pair reads as a list

@@ -76,6 +76,9 @@ def _check_ranges(c: RunConfig) -> None:
     if c.keep_checkpoints is not None and c.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be at least 1 (the checkpoint to resume "
                          f"from), or None to keep every one; got {c.keep_checkpoints}")
+    if c.memory_budget_gib is not None and not c.memory_budget_gib > 0:
+        raise ValueError(f"memory_budget_gib (--memory-budget) must be a positive number of "
+                         f"GiB, got {c.memory_budget_gib}")
     if c.eval_chunk_size is not None and c.eval_chunk_size < 1:
         raise ValueError(f"eval_chunk_size must be a count of points >= 1 (or None: each "
                          f"mesh evaluated whole), got {c.eval_chunk_size}")

@@ -64,6 +64,7 @@ from flarepp.storage.rundir import RunDir, RunLock, provenance
 from flarepp.tasks import Task, build_task
 from flarepp.train.callbacks import (Callbacks, ProgressLog, RankGrowth, ThreadTuning,
                                      TrainerCallback, TrainingPruned)
+from flarepp.train.budget import MemoryPlan
 from flarepp.train.checkpoint import CheckpointManager, RNGState
 from flarepp.train.checks import validate
 from flarepp.train.ema import WeightAverage
@@ -200,15 +201,26 @@ class Trainer:
         if init_from is not None and found is not None:
             raise ValueError("--init-from starts a new run from another run's weights; "
                              f"{str(self.out_dir)!r} is resumed from its own checkpoint")
+        self.memory = MemoryPlan.discover(c, data_root or c.data_root)
+        if self.memory is not None:  # points_per_step is the data's: chosen before it is read
+            stored = None if found is None else RunConfig.from_stored(found.state["config"])
+            self.config = c = self.memory.plan_training(c, stored,
+                                                        choose=task is None and splits is None)
         if task is None:
             task = build_task(c, data_root or c.data_root,
                               **({} if splits is None else {"splits": splits}))
         self.task = task
-        self.engine = Engine(task, Execution(self.device, c.precision, plan=self.plan,
-                                             chunk_size=c.eval_chunk_size),
-                             workers=c.workers(self.device.type))
         torch.manual_seed(c.seed)
         self.model = task.build_model().to(self.device)
+        hidden_on = "auto"
+        if self.memory is not None:
+            self.config = c = self.memory.plan_evaluation(c, self.model, task.eval_batch_size(),
+                                                          self.device)
+            hidden_on = self.memory.hidden_on
+            self.say(self.memory.line(c))
+        self.engine = Engine(task, Execution(self.device, c.precision, plan=self.plan,
+                                             chunk_size=c.eval_chunk_size, hidden_on=hidden_on),
+                             workers=c.workers(self.device.type))
         self.init_record = None if init_from is None else CheckpointManager.start_from(
             Path(init_from), self.model, task if init_normalizers == "keep" else None, c.task)
         self.ema = WeightAverage(self.model, c.ema_decay)
@@ -499,7 +511,8 @@ class Trainer:
             self.run.rewrite_log(self.history)
             self.run.record_provenance(provenance(
                 [self.device], parallel=self.plan.describe(), resumed_at_epoch=self.epoch,
-                **({"init_from": self.init_record} if self.init_record else {})))
+                **({"init_from": self.init_record} if self.init_record else {}),
+                **({"memory_plan": self.memory.record()} if self.memory else {})))
         self.hooks.run_start(self.config, self.out_dir, self.epoch)
 
     def _end_epoch(self, record: dict[str, Any], *, stopping: bool, saved: bool = False
@@ -601,7 +614,8 @@ class Trainer:
                 "mixer": c.model.get("mixer"), "precision": c.precision, "seed": c.seed,
                 "device": str(self.device), "parallel": self.plan.describe(),
                 "checkpoint": str(self.checkpoints.path(self.epoch)),
-                **({"init_from": self.init_record} if self.init_record else {})}
+                **({"init_from": self.init_record} if self.init_record else {}),
+                **({"memory_plan": self.memory.record()} if self.memory else {})}
 
 
 def train(config: RunConfig, out_dir: str | Path, *, data_root: str | Path | None = None,
