@@ -86,7 +86,8 @@ def test_the_budget_defaults_to_the_cgroup_or_address_space_limit(tmp_path, monk
     monkeypatch.setattr(resource, "getrlimit",
                         lambda which: limits.get(which, (resource.RLIM_INFINITY,) * 2))
     found, what = limit_budget(cgroup_root=tmp_path / "none", proc=proc)
-    assert found == 50 * MIB + 3 * GIB - GIB      # VmRSS + (limit - VmSize)
+    assert found == 50 * MIB + int(budget.ADDRESS_SPACE_RESIDENT * (3 * GIB - GIB))
+    # VmRSS + (limit - VmSize) at the resident share of mapped memory
     assert what == f"the address-space limit (RLIMIT_AS {3 * GIB})"
 
 

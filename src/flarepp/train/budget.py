@@ -4,7 +4,8 @@ The budget is the resident memory in bytes that a run -- its process and its loa
 summed -- may take: ``memory_budget_gib`` (``flarepp train --memory-budget GiB``), else the
 tightest limit set on the process (:func:`limit_budget`: the cgroup's memory limit, v2
 ``memory.max`` or v1 ``memory.limit_in_bytes``, or ``RLIMIT_AS`` / ``RLIMIT_DATA``: what the
-process holds now plus the headroom the limit leaves, :func:`flarepp.device.memory_bounds`),
+process holds now plus the headroom the limit leaves, an address-space limit's at
+:data:`ADDRESS_SPACE_RESIDENT`, :func:`flarepp.device.memory_bounds`),
 else none and nothing is planned. Within it the trainer chooses, once, before training
 starts (:class:`MemoryPlan`, called from the trainer's setup):
 
@@ -27,23 +28,29 @@ The estimate (bytes, float32 ``F = 4``; C the residual width, L the blocks, I an
 input and output channels, B samples of n points)::
 
     peak      = held + max(step, evaluation) + workers
-    held      = the process's resident memory when the run is set up (interpreter, torch,
-                what the data's statistics pass left) + 5 x the parameters' bytes (weights,
-                gradients, AdamW's two moments, the EMA copy)
+    held      = the process's resident memory once the data is read and the model built
+                (interpreter, torch, what the statistics pass left, the weights) + 4 x the
+                parameters' bytes (gradients, AdamW's two moments, the EMA copy)
     step      = B n F (TRAIN_WIDTHS L C + I + 3 O)           activations kept for backward
     evaluation, whole     = B n F (EVAL_WIDTHS C + I + 3 O)  one block's no-grad activations
     evaluation, streamed  = hidden_state_bytes(B, n, C)      (host, or 0 when memory-mapped)
                             + B n F (I + 3 O) + B K F EVAL_WIDTHS C
-    workers   = W (WORKER_BYTES + 2 B n F (I + O))           each holds 2 prefetched batches
+    workers   = W (held + 2 B n F (I + O))   a forked worker's resident set counts the
+                                             trainer's pages again, and 2 prefetched batches
 
 with n the widest sample of the split (``points_per_step`` for training steps), B the
 ``batch_size`` (a step) or the task's evaluation batch, K the chunk. ``I + 3 O``: inputs,
-targets, predictions and one temporary of the metric. The widths are per point, per block,
-in units of C, counted from the FLARE++ block (pre-norms, the projections of its two
-encodes, the decode, the output projection and the FFN of ratio 2 with its GELU) and
-checked against the peak resident memory of the ``store-tiny`` preset measured with
-``/usr/bin/time -v`` (docs/data.md, "Larger than memory"). The hidden state's bytes are
-the streaming driver's own (:func:`flarepp.distributed.streaming.hidden_state_bytes`).
+targets, predictions and one temporary of the metric. The widths are floats per point,
+per block, in units of C, measured on the ``store-tiny`` preset (FLARE++, C = 64, L = 3,
+H M = 2 C; docs/data.md, "Larger than memory"): its peak resident memory (``/usr/bin/time
+-v``, one epoch, no evaluation) grew by 19.7 and 20.5 KB per point of a batch from
+``points_per_step`` 4096 to 32768 and to 131072, and ``TRAIN_WIDTHS`` = 27 gives 21.2 KB;
+one streamed forward of a 400,000-point sample (:class:`flarepp.bench.memory.PeakMemory`)
+peaked at 300 and 206 MiB at chunks of 65,536 and 16,384 points against 282 and 186 MiB
+by the streamed formula (``EVAL_WIDTHS`` = 8: the 94 MiB between them is 7.9 C floats a
+point); two loader workers added 1.22 GiB to the summed resident memory of 0.70 GiB
+without them. The hidden state's bytes are the streaming driver's own
+(:func:`flarepp.distributed.streaming.hidden_state_bytes`).
 """
 
 from __future__ import annotations
@@ -73,11 +80,13 @@ EVAL_WIDTHS = 8
 """Floats per point and residual channel alive at once in a no-grad block."""
 PARAMETER_COPIES = 5
 """Weights, gradients, AdamW's two moments and the EMA copy."""
-WORKER_BYTES = 300 * 2 ** 20
-"""A loader worker's own resident memory (a forked interpreter with torch, as /proc counts
-it) before its batches."""
 PREFETCH = 2
 """Batches each loader worker holds (``flarepp.inference.batching.make_loader``)."""
+ADDRESS_SPACE_RESIDENT = 0.9
+"""Resident bytes per byte of address space that a run's allocations take after its setup:
+under ``RLIMIT_AS`` (``prlimit --as``) the budget counts the limit's headroom at this rate.
+Measured: ``store-tiny`` under ``prlimit --as=3GiB`` grew from 0.32 GiB resident / 0.92 GiB
+mapped at its setup to 2.2 GiB / 3 GiB when an evaluation's allocation was refused."""
 CHUNK_MAX = 2 ** 20
 CHUNK_MIN = 2 ** 10
 POINTS_MIN = 2 ** 8
@@ -92,14 +101,17 @@ def limit_budget(*, cgroup_root: str | Path = "/sys/fs/cgroup",
                  proc: str | Path = "/proc") -> tuple[int, str] | None:
     """``(bytes, what)`` of the tightest memory limit set on this process (module
     docstring), or None where only the machine's free memory bounds it: the resident memory
-    the process holds now plus the headroom the limit leaves."""
+    the process holds now plus the headroom the limit leaves (an address-space or data
+    limit's at :data:`ADDRESS_SPACE_RESIDENT`: mapped is not resident)."""
     bounds = {what: headroom for what, headroom in
               memory_bounds(HOST, cgroup_root=cgroup_root, proc=proc).items()
               if not what.startswith("free memory")}
     if not bounds:
         return None
-    what, headroom = min(bounds.items(), key=lambda item: item[1])
-    return resident_bytes(proc) + headroom, what
+    resident = {what: headroom * (ADDRESS_SPACE_RESIDENT if "RLIMIT" in what else 1)
+                for what, headroom in bounds.items()}
+    what, headroom = min(resident.items(), key=lambda item: item[1])
+    return resident_bytes(proc) + int(headroom), what
 
 
 def resident_bytes(proc: str | Path = "/proc") -> int:
@@ -195,9 +207,11 @@ class MemoryPlan:
         return arrays + hidden + samples * min(chunk, points) * FLOAT_BYTES * EVAL_WIDTHS * dim
 
     def worker_bytes(self, config: RunConfig, workers: int, points: int) -> int:
+        """A forked loader worker's resident set counts the pages of the trainer it maps
+        (``held``: what /proc's sum over the processes counts) and its prefetched batches."""
         e = self.extent
         batch = config.batch_size * points * FLOAT_BYTES * (e.in_dim + e.out_dim) if e else 0
-        return workers * (WORKER_BYTES + PREFETCH * batch)
+        return workers * (self.held + PREFETCH * batch)
 
     def _train_points(self, config: RunConfig) -> int:
         chosen = config.dataset_options.get("points_per_step")
@@ -224,14 +238,14 @@ class MemoryPlan:
         self._check_step(config)
         return config
 
-    def _check_step(self, config: RunConfig) -> None:
+    def _check_step(self, config: RunConfig, workers: int = 0) -> None:
         step = self.step_bytes(config, self._train_points(config))
-        if self.held + step > self.budget:
+        if self.held + self._workers_bytes(config, workers) + step > self.budget:
             bounds = ["batch_size"] + (["dataset_options.points_per_step"]
                                        if dataset_takes(config, "points_per_step") else [])
             raise MemoryBudgetTooSmall(self._refusal(
                 f"one training step ({config.batch_size} x {self._train_points(config):,} "
-                f"points: {format_bytes(step)})", self.held + step, bounds))
+                f"points: {format_bytes(step)})", step, bounds, config, workers))
         self.estimate["step"] = step
 
     def _fitting_points(self, config: RunConfig) -> int | None:
@@ -246,17 +260,26 @@ class MemoryPlan:
     def plan_evaluation(self, config: RunConfig, model: nn.Module, eval_samples: int,
                         device: torch.device) -> RunConfig:
         """``config`` with ``eval_chunk_size`` and ``loader_workers`` chosen where the user
-        left them to the run, and :attr:`hidden_on`, where a streamed evaluation keeps its
-        hidden state; refuses a budget too small for the widest mesh at :data:`CHUNK_MIN`."""
-        self.held += PARAMETER_COPIES * sum(p.numel() * p.element_size()
-                                            for p in model.parameters())
+        left them to the run (the evaluation first: automatic workers take what it leaves),
+        and :attr:`hidden_on`, where a streamed evaluation keeps its hidden state; refuses a
+        budget too small for a step or for the widest mesh at :data:`CHUNK_MIN` beside the
+        workers the user gave."""
+        # now with the data's statistics pass and the model (whose copies come next)
+        self.held = max(self.held, resident_bytes()) + (PARAMETER_COPIES - 1) * sum(
+            p.numel() * p.element_size() for p in model.parameters())
+        given = max(config.loader_workers, 0)
         if self.extent is not None:
-            self._check_step(config)   # again, with the model's state held
-            config = self._choose_chunk(config, model, eval_samples)
+            self._check_step(config, given)   # again, with the model's state held
+            config = self._choose_chunk(config, model, eval_samples, given)
         return self._choose_workers(config, device)
 
-    def _choose_chunk(self, config: RunConfig, model: nn.Module, samples: int) -> RunConfig:
-        room = self.budget - self.held
+    def _workers_bytes(self, config: RunConfig, workers: int) -> int:
+        points = self._train_points(config) if self.extent is not None else 0
+        return self.worker_bytes(config, workers, points)
+
+    def _choose_chunk(self, config: RunConfig, model: nn.Module, samples: int,
+                      workers: int) -> RunConfig:
+        room = self.budget - self.held - self._workers_bytes(config, workers)
         chunk = config.eval_chunk_size
         refusal = streaming_refusal(model)
         if chunk is None and self.evaluation_bytes(config, samples, None) > room:
@@ -272,28 +295,26 @@ class MemoryPlan:
             self.hidden_on = "memmap"
             self.chosen["hidden_on"] = self.hidden_on
         need = self.evaluation_bytes(config, samples, chunk, self.hidden_on)
-        if self.held + need > self.budget and refusal is None:
+        if need > room and refusal is None:
             bounds = ["eval_chunk_size"] if chunk is not None else ["eval_chunk_size",
                                                                      "batch_size"]
             raise MemoryBudgetTooSmall(self._refusal(
                 f"the evaluation of the widest mesh ({samples} x {self.extent.eval_points:,} "
                 f"points{'' if chunk is None else f' in chunks of {chunk:,}'}: "
-                f"{format_bytes(need)})", self.held + need, bounds))
+                f"{format_bytes(need)})", need, bounds, config, workers))
         self.estimate["evaluation"] = need
         return config
 
     def _choose_workers(self, config: RunConfig, device: torch.device) -> RunConfig:
-        points = self._train_points(config) if self.extent is not None else 0
         stage = max(self.estimate.values(), default=0)
-        wanted = config.workers(device.type)
-        workers = wanted
+        workers = config.workers(device.type)
         if config.loader_workers == -1:
-            while workers > 0 and (self.held + stage + self.worker_bytes(config, workers, points)
+            while workers > 0 and (self.held + stage + self._workers_bytes(config, workers)
                                    > self.budget):
                 workers -= 1
             config = dataclasses.replace(config, loader_workers=workers)
             self.chosen["loader_workers"] = workers
-        self.estimate["workers"] = self.worker_bytes(config, workers, points)
+        self.estimate["workers"] = self._workers_bytes(config, workers)
         return config
 
     # -- what it says --------------------------------------------------------------------
@@ -301,11 +322,17 @@ class MemoryPlan:
         stages = [v for k, v in self.estimate.items() if k != "workers"]
         return self.held + max(stages, default=0) + self.estimate.get("workers", 0)
 
-    def _refusal(self, what: str, need: int, bounds: list[str]) -> str:
+    def _refusal(self, what: str, need: int, bounds: list[str], config: RunConfig,
+                 workers: int) -> str:
+        beside = f"the {format_bytes(self.held)} the process holds"
+        if workers:
+            beside += (f" and the {format_bytes(self._workers_bytes(config, workers))} of its "
+                       f"{workers} loader worker{'s' if workers > 1 else ''}")
+            bounds = [*bounds, "loader_workers"]
+        total = self.held + self._workers_bytes(config, workers) + need
         return (f"the memory budget of {format_bytes(self.budget)} ({self.source}) is too "
-                f"small for {what}: the estimate is {format_bytes(need)} with the "
-                f"{format_bytes(self.held)} the process holds; raise --memory-budget "
-                f"(memory_budget_gib) or lower {' or '.join(bounds)}")
+                f"small for {what}: the estimate is {format_bytes(total)} with {beside}; "
+                f"raise --memory-budget (memory_budget_gib) or lower {' or '.join(bounds)}")
 
     def line(self, config: RunConfig) -> str:
         """The console line: the budget, the estimated peak, every size and its origin."""
@@ -342,4 +369,4 @@ def _powers_of_two(high: int, low: int):
 
 
 __all__ = ["CHUNK_MAX", "CHUNK_MIN", "DataExtent", "EVAL_WIDTHS", "MemoryBudgetTooSmall",
-           "MemoryPlan", "TRAIN_WIDTHS", "WORKER_BYTES", "limit_budget"]
+           "MemoryPlan", "TRAIN_WIDTHS", "limit_budget", "resident_bytes"]
