@@ -101,7 +101,7 @@ def _model(config: RunConfig) -> torch.nn.Module:
     return build_model(in_dim=3, out_dim=37, **config.model_kwargs())
 
 
-def test_a_budget_chooses_points_per_step_chunk_and_workers():
+def test_a_budget_chooses_points_per_step_chunk_and_workers(held):
     """Issue 38 item 3: within a stated budget the run chooses an unset ``points_per_step``
     (the largest power of two whose step fits; whole samples when they fit; the stored
     value on --resume; never over the user's), ``eval_chunk_size`` (each mesh whole when it
@@ -153,6 +153,24 @@ def test_a_budget_too_small_for_one_step_is_a_sentence():
         f"{(HELD + step) / MIB:.3g} MiB with the 100 MiB the process holds; raise "
         "--memory-budget (memory_budget_gib) or lower batch_size or "
         "dataset_options.points_per_step")
+
+
+def test_loader_workers_given_beyond_the_budget_are_named(held):
+    """Issue 38 item 3: loader workers the user gave count against the budget (a forked
+    worker's resident set counts the trainer's pages again): a step that fits alone but not
+    beside them is refused naming them and ``loader_workers``."""
+    config = get_preset("store-tiny", ["dataset_options.points_per_step=256",
+                                       "loader_workers=2"])
+    plan = _plan(0.25)
+    plan.plan_training(config)               # fits without the workers
+    with pytest.raises(MemoryBudgetTooSmall) as info:
+        plan.plan_evaluation(config, _model(config), 4, torch.device("cpu"))
+    text = str(info.value)
+    assert text.startswith("the memory budget of 256 MiB (--memory-budget) is too small for "
+                           "one training step (4 x 256 points: ")
+    assert "of its 2 loader workers;" in text
+    assert text.endswith("or lower batch_size or dataset_options.points_per_step or "
+                         "loader_workers")
 
 
 @pytest.mark.slow
