@@ -137,9 +137,10 @@ class DataExtent:
 
     @classmethod
     def of_store(cls, config: RunConfig, root: Path) -> "DataExtent | None":
-        """From a store's manifest (nothing read but it); None for data that is not a
-        store (held in memory as read: nothing to plan but the workers)."""
-        if not (root / MANIFEST).is_file():
+        """From a store's manifest (nothing read but it), for the ``fields`` task whose
+        items the estimate counts; None otherwise (data held in memory as read, another
+        task's items: nothing to plan but the workers)."""
+        if config.task != "fields" or not (root / MANIFEST).is_file():
             return None
         store = MeshStore(root)
         options = config.dataset_options
