@@ -27,7 +27,8 @@ is the model, the optimiser, a few batches and the interpreter.
 and the end-of-run evaluation) on the store, under an address-space limit of ``--as-limit``
 GiB (``RLIMIT_AS``, set in the child as ``prlimit --as`` does; 0: none), and prints, from the
 same sampling of the trainer and its loader workers, the peak resident memory (the whole
-run, and before / after the epoch's checkpoint: training against evaluation), the training
+run; before the epoch's checkpoint, training; from it to ``metrics.json``, evaluation; after
+it, the run's end; no case figures are drawn: ``plot_cases=0``), the training
 wall time (``log.jsonl``'s ``seconds``), the wall times of setup and training (to the
 epoch's checkpoint, written before any evaluation), of the validation (to ``log.jsonl``'s
 line) and of the end-of-run evaluation (to ``metrics.json``), and the exit status::
@@ -102,7 +103,8 @@ class WatchedRun:
 
     def __init__(self, command: list[str], run: Path, as_limit: int | None) -> None:
         self.command, self.run, self.as_limit = command, run, as_limit
-        self.peak = {"rss": 0, "pss": 0, "rss_training": 0, "rss_evaluation": 0}
+        self.peak = {"rss": 0, "pss": 0, "rss_training": 0, "rss_evaluation": 0,
+                     "rss_after": 0}
         self.moments: dict[str, float] = {}
 
     def _limit(self) -> None:  # in the child, before exec
@@ -126,7 +128,8 @@ class WatchedRun:
             while child.poll() is None:
                 rss, pss = process_tree_memory(child.pid)
                 self._mark(started)
-                phase = "rss_evaluation" if "checkpoint" in self.moments else "rss_training"
+                phase = ("rss_after" if "metrics" in self.moments else "rss_evaluation"
+                         if "checkpoint" in self.moments else "rss_training")
                 for key, value in (("rss", rss), ("pss", pss), (phase, rss)):
                     self.peak[key] = max(self.peak[key], value)
                 time.sleep(0.2)
@@ -153,8 +156,8 @@ def train_command(store: Path, run: Path, args: argparse.Namespace, *extra: str)
 def evaluate_run(store: Path, run: Path, args: argparse.Namespace) -> int:
     """``--evaluate``: one epoch and its evaluations under the limit (module docstring)."""
     as_limit = int(args.as_limit * 2 ** 30) if args.as_limit else None
-    extra = ["--set", "epochs=1"] + (["--memory-budget", str(args.memory_budget)]
-                                     if args.memory_budget else [])
+    extra = ["--set", "epochs=1", "--set", "plot_cases=0"] + (
+        ["--memory-budget", str(args.memory_budget)] if args.memory_budget else [])
     watched = WatchedRun(train_command(store, run, args, *extra), run, as_limit)
     code, seconds = watched.wait()
     at = watched.moments
@@ -169,6 +172,7 @@ def evaluate_run(store: Path, run: Path, args: argparse.Namespace) -> int:
               "peak_rss_gib": watched.peak["rss"] / gib, "peak_pss_gib": watched.peak["pss"] / gib,
               "peak_rss_training_gib": watched.peak["rss_training"] / gib,
               "peak_rss_evaluation_gib": watched.peak["rss_evaluation"] / gib,
+              "peak_rss_after_metrics_gib": watched.peak["rss_after"] / gib,
               "training_seconds": log[0]["seconds"] if log else None,
               "setup_and_training_wall_seconds": at.get("checkpoint"),
               "validation_wall_seconds": (at["log"] - at["checkpoint"]
