@@ -46,6 +46,7 @@ import torch
 from flarepp.bench.fresh import in_fresh_interpreter, queued_seconds
 from flarepp.bench.memory import PeakMemory
 from flarepp.device import autocast, resolve_device, synchronize
+from flarepp.distributed import stream_forward, streaming
 from flarepp.models import build_model
 
 WARMUP_TOKENS = 4096
@@ -55,16 +56,21 @@ def _inputs(n_tokens: int, in_dim: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(1, n_tokens, in_dim, generator=torch.Generator().manual_seed(seed))
 
 
-def _measure(job: dict[str, Any]) -> dict[str, Any]:
-    """One forward of ``job``'s model on its N tokens (``chunk_size`` None: unchunked), under
-    the autocast of its ``precision``."""
-    from flarepp.distributed import stream_forward
+def _job_model(job: dict[str, Any]) -> tuple[torch.nn.Module, torch.Tensor, torch.device]:
+    """``job``'s model (seed 0, on its device, in eval mode), its N random input tokens
+    ``[1, N, in_dim]`` and the device, with the job's thread count set."""
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     device = resolve_device(job.get("device", "auto"))
     torch.manual_seed(0)
     model = build_model(**job["settings"]).to(device).eval()
-    x = _inputs(job["n_tokens"], job["settings"]["in_dim"])
+    return model, _inputs(job["n_tokens"], job["settings"]["in_dim"]), device
+
+
+def _measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One forward of ``job``'s model on its N tokens (``chunk_size`` None: unchunked), under
+    the autocast of its ``precision``."""
+    model, x, device = _job_model(job)
     chunk_size = job["chunk_size"]
 
     def forward(x_BNI: torch.Tensor, progress: bool = False) -> torch.Tensor:
@@ -112,7 +118,6 @@ def page_cache_limit(limit_bytes: int):
     flusher threads would mostly have done already: a pessimistic cost). It emulates a
     state larger than the memory a machine can give it, on a machine that has the memory,
     without taking it from other processes."""
-    from flarepp.distributed import streaming
     cls, recent = streaming._HiddenState, OrderedDict()
     methods = {name: getattr(cls, name) for name in ("load", "store", "prefetch")}
 
@@ -158,13 +163,7 @@ def _exactness(job: dict[str, Any]) -> dict[str, Any]:
     against a float64 copy of the model streamed (exact to rounding, see the tests): both
     float32 forwards sum softmax weights over N tokens in float32, so their difference is
     set by rounding, which the float64 reference shows on each side."""
-    from flarepp.distributed import stream_forward
-    if job.get("threads"):
-        torch.set_num_threads(job["threads"])
-    device = resolve_device(job.get("device", "auto"))
-    torch.manual_seed(0)
-    model = build_model(**job["settings"]).to(device).eval()
-    x = _inputs(job["n_tokens"], job["settings"]["in_dim"])
+    model, x, device = _job_model(job)
     with torch.no_grad():
         streamed = stream_forward(model, x, chunk_size=job["chunk_size"], device=device)
         unchunked = model(x.to(device)).cpu()

@@ -8,6 +8,11 @@ order, so this one, which creates ``bench``, comes first)::
         p = bench_subparsers(sub).add_parser("cp", help="...")
         p.add_argument(...)
         p.set_defaults(func=_bench_cp)
+
+The benchmark modules themselves (:mod:`flarepp.bench`'s ``cp``, ``data``, ``export``,
+``serve``, ``streaming``, ``threads``) are imported by the handlers, not here: every
+``flarepp`` command builds the whole parser, and they would add about 60 ms to its start
+(``python -X importtime -m flarepp --help``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
+from flarepp.bench.reference import REFERENCE_MIXER
+from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, parse_sizes,
+                                   ratios, run_scaling, write_outputs)
 from flarepp.device import DEVICE_HELP
+from flarepp.io import atomic_write_json
 
 BENCH_DEST = "bench"
 ALLOCATOR_SWITCH = "FLAREPP_RETAIN_MEMORY=0 switches it off"
@@ -57,12 +67,31 @@ def counts(low: int):
     return parse
 
 
-def _sizes(text: str) -> list[int]:
-    from flarepp.bench.scaling import parse_sizes
+def sizes(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated token counts, ``k = 1024``, ``M = 1048576``
+    (:func:`~flarepp.bench.scaling.parse_sizes`; a usage error naming the text otherwise)."""
     try:
         return parse_sizes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, dim: int, heads: int, latents: int,
+                        blocks: int) -> None:
+    """``--dim``, ``--heads``, ``--latents``, ``--blocks``: the size of the benchmarked
+    model, with this benchmark's defaults."""
+    p.add_argument("--dim", type=_positive_int, default=dim, help="channels C")
+    p.add_argument("--heads", type=_positive_int, default=heads, help="heads H")
+    p.add_argument("--latents", type=_positive_int, default=latents, help="latents M")
+    p.add_argument("--blocks", type=_positive_int, default=blocks)
+
+
+def write_figures(path: str | Path | None, figures: Any) -> None:
+    """A benchmark's ``--json``: write ``figures`` to ``path`` (atomically) and say so;
+    nothing when no path was given."""
+    if path:
+        atomic_write_json(Path(path), figures)
+        print(f"wrote {path}")
 
 
 def _rounds(row: dict) -> str:
@@ -74,9 +103,6 @@ def _rounds(row: dict) -> str:
 
 
 def _scaling(args: argparse.Namespace) -> int:
-    from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, ratios,
-                                       run_scaling, write_outputs)
-    from flarepp.bench.reference import REFERENCE_MIXER
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     if args.reference_repo and REFERENCE_MIXER not in mixers:
         mixers.append(REFERENCE_MIXER)
@@ -122,16 +148,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     f"(flarepp.allocator; {ALLOCATOR_SWITCH}).")
     p.add_argument("--mixers", default="attention,flare,flarepp",
                    help="comma-separated registered mixers (default attention,flare,flarepp)")
-    p.add_argument("--n", type=_sizes, default=_sizes("1k,4k,16k"),
+    p.add_argument("--n", type=sizes, default=sizes("1k,4k,16k"),
                    help="comma-separated token counts, k = 1024, M = 1048576 (default 1k,4k,16k)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="fp32 (LayerNorm) or autocast to bf16/fp16 (RMSNorm), paper C.2")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default auto)")
     p.add_argument("--batch", type=_positive_int, default=8)
-    p.add_argument("--dim", type=_positive_int, default=128, help="channels C")
-    p.add_argument("--heads", type=_positive_int, default=8, help="heads H")
-    p.add_argument("--blocks", type=_positive_int, default=8)
-    p.add_argument("--latents", type=_positive_int, default=64, help="latents M")
+    add_model_arguments(p, dim=128, heads=8, latents=64, blocks=8)
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--rounds", type=_positive_int, default=1,

@@ -6,17 +6,8 @@ Adds ``cp`` under the shared ``flarepp bench`` command (:mod:`flarepp.cli.bench`
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from flarepp.cli.bench import add_model_arguments, bench_subparsers, counts, write_figures
 
 
 def _mib(n: float) -> str:
@@ -24,8 +15,7 @@ def _mib(n: float) -> str:
 
 
 def _bench_cp(args: argparse.Namespace) -> int:
-    from flarepp.bench.cp import context_parallel_scaling, streaming_memory
-    from flarepp.io import atomic_write_json as write_json
+    from flarepp.bench.cp import context_parallel_scaling, streaming_memory  # (start-up time)
     settings = dict(mixer=args.mixer, in_dim=3, out_dim=1, dim=args.dim, heads=args.heads,
                     latents=args.latents, blocks=args.blocks)
     print(f"model {settings}; one thread per rank")
@@ -47,26 +37,20 @@ def _bench_cp(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['n_tokens']:10d} {_mib(r['stream_peak_bytes'])}        "
                   f"{_mib(r['unchunked_peak_bytes'])}")
-    if args.json:
-        write_json(Path(args.json), result)
-        print(f"\nwrote {args.json}")
+    write_figures(args.json, result)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers
     p = bench_subparsers(sub).add_parser(
         "cp", help="context-parallel scaling (Table 5) and streaming-inference memory on CPU")
     p.add_argument("--mixer", default="flarepp")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--latents", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=2)
+    add_model_arguments(p, dim=128, heads=8, latents=64, blocks=2)
     p.add_argument("--n-tokens", type=int, default=65536, help="mesh size for the scaling run")
-    p.add_argument("--ranks", type=_ints, default=[1, 2],
+    p.add_argument("--ranks", type=counts(1), default=[1, 2],
                    help="comma-separated rank counts; the first is the reference (default 1,2)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per rank count")
-    p.add_argument("--stream-n", type=_ints, default=[16384, 65536, 262144],
+    p.add_argument("--stream-n", type=counts(1), default=[16384, 65536, 262144],
                    help="comma-separated N for the streaming-memory table")
     p.add_argument("--chunk-size", type=int, default=16384)
     p.add_argument("--only", choices=["scaling", "streaming"], help="run one of the two parts")

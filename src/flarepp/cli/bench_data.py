@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from flarepp.cli import at_least
+from flarepp.cli.bench import bench_subparsers, counts, write_figures
+from flarepp.data.generators.laplace import make_laplace_store
 
 
 def _or_none(parse):
@@ -20,7 +22,7 @@ def _or_none(parse):
 
 
 def _cell_types(text: str) -> list[str]:
-    from flarepp.bench.data import CELL_TYPES
+    from flarepp.bench.data import CELL_TYPES  # (start-up time)
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in names if t not in (*CELL_TYPES, "mixed")]
     if unknown or not names:
@@ -30,8 +32,7 @@ def _cell_types(text: str) -> list[str]:
 
 
 def _bench_data(args: argparse.Namespace) -> int:
-    from flarepp.bench.data import conversion_by_cell_type, conversion_throughput
-    from flarepp.io import atomic_write_json
+    from flarepp.bench.data import conversion_by_cell_type, conversion_throughput  # (start-up)
     print(f"load average {os.getloadavg()}", flush=True)
     result: dict = {}
     if args.cases:
@@ -51,18 +52,15 @@ def _bench_data(args: argparse.Namespace) -> int:
                   f"{r['array_bytes'] / 2**20:,.0f} MiB)", flush=True)
     if args.workers:
         result["loader"] = _loader_shares(args)
-    if args.json:
-        atomic_write_json(args.json, result)
-        print(f"wrote {args.json}")
+    write_figures(args.json, result)
     return 0
 
 
 def _loader_shares(args: argparse.Namespace) -> list[dict]:
-    from flarepp.bench.data import loader_share
+    from flarepp.bench.data import loader_share  # (start-up time)
     with tempfile.TemporaryDirectory() as tmp:
         store = args.store
         if store is None:
-            from flarepp.data.generators.laplace import make_laplace_store
             store = Path(tmp) / "store"
             make_laplace_store(store, n_train=args.samples, n_test=4, resolution=args.points,
                                progress=False)
@@ -79,7 +77,6 @@ def _loader_shares(args: argparse.Namespace) -> list[dict]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers, counts
     p = bench_subparsers(sub).add_parser(
         "data", help="conversion throughput (rows/s) and the loader's share of step time",
         description="Converts generated VTU files (cells/s, points/s), then trains steps of "

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from flarepp.cli import at_least
+from flarepp.cli.bench import bench_subparsers, sizes, write_figures
 
 
 def _bench_export(args: argparse.Namespace) -> int:
-    from flarepp.bench.export import DEFAULT_MODEL, bench_export
-    from flarepp.io import atomic_write_json
+    from flarepp.bench.export import DEFAULT_MODEL, bench_export  # (start-up time)
     rows = bench_export(args.n, rounds=args.rounds, batch=args.batch, run=args.run)
     print(f"model: {args.run or DEFAULT_MODEL}; FP32 on the CPU, {rows[0]['threads']} "
           f"thread(s); {args.rounds} interleaved rounds, medians")
@@ -16,19 +17,15 @@ def _bench_export(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r['n']:9d} {r['eager_s']:11.4f} {r['onnxruntime_s']:17.4f} "
               f"{r['ratio']:21.2f}   {r['max_abs_diff']:.1e}")
-    if args.json:
-        atomic_write_json(Path(args.json), rows)
-        print(f"wrote {args.json}")
+    write_figures(args.json, rows)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import _sizes, bench_subparsers
-    from flarepp.cli import at_least
     p = bench_subparsers(sub).add_parser(
         "export", help="exported (ONNX) inference under onnxruntime against PyTorch eager on "
                        "the CPU, same weights, interleaved rounds")
-    p.add_argument("--n", type=_sizes, default=[16384, 65536], help="points, e.g. 16k,64k")
+    p.add_argument("--n", type=sizes, default=[16384, 65536], help="points, e.g. 16k,64k")
     p.add_argument("--rounds", type=at_least(1), default=3)
     p.add_argument("--batch", type=at_least(1), default=1)
     p.add_argument("--run", help="a run directory or checkpoint (default: darcy-tiny's "

@@ -9,28 +9,17 @@ causal attention's KV cache grows as ``2 B H L D``
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from flarepp.device import DEVICE_HELP
+import torch
 
-
-def _sizes(text: str) -> list[int]:
-    from flarepp.bench.scaling import parse_sizes
-    try:
-        return parse_sizes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+from flarepp.cli.bench import add_model_arguments, bench_subparsers, sizes, write_figures
+from flarepp.device import DEVICE_HELP, resolve_device
+from flarepp.models import build_model
+from flarepp.models.decoding import format_points, measure_decoding, points_as_dicts
+from flarepp.storage.checkpoint import load_causal_lm
 
 
 def _bench_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from flarepp.device import resolve_device
-    from flarepp.io import atomic_write_json
-    from flarepp.models import build_model
-    from flarepp.storage.checkpoint import load_causal_lm
-    from flarepp.models.decoding import (format_points, measure_decoding,
-                                         points_as_dicts)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -49,15 +38,12 @@ def _bench_generate(args: argparse.Namespace) -> int:
         points += measure_decoding(model, args.contexts, steps=args.steps, batch=args.batch,
                                    prefill_limit=args.prefill_limit, seed=args.seed)
     print("\n" + format_points(points))
-    if args.json:
-        atomic_write_json(Path(args.json), {"device": str(device), "batch": args.batch,
-                                            "points": points_as_dicts(points)})
-        print(f"\nwrote {args.json}")
+    write_figures(args.json, {"device": str(device), "batch": args.batch,
+                              "points": points_as_dicts(points)})
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers
     p = bench_subparsers(sub).add_parser(
         "generate", help="time and state bytes per generated token against context length "
                          "(causal FLARE vs causal attention with a KV cache)")
@@ -65,15 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated causal mixers (default flare-causal,attention-causal)")
     p.add_argument("--checkpoint", action="append",
                    help="measure a trained causal-lm instead (repeatable; overrides --mixers)")
-    p.add_argument("--contexts", type=_sizes, default=_sizes("1k,8k,32k,64k"),
+    p.add_argument("--contexts", type=sizes, default=sizes("1k,8k,32k,64k"),
                    help="context lengths before the timed steps, k = 1024 (default "
                         "1k,8k,32k,64k)")
     p.add_argument("--steps", type=int, default=32, help="timed one-token steps per point")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dim", type=int, default=64, help="channels C (default: lm-tiny's 64)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--latents", type=int, default=32, help="latents M")
+    add_model_arguments(p, dim=64, heads=4, latents=32, blocks=2)  # lm-tiny's
     p.add_argument("--prefill-limit", type=int, default=4096,
                    help="longest context whose KV cache is built by the quadratic parallel "
                         "form; longer ones get a cache of random keys/values of that length "

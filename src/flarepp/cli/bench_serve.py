@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from flarepp.cli import CLIError, at_least
+from flarepp.cli.bench import bench_subparsers, counts, write_figures
+from flarepp.experiments.reports.common import fmt, markdown
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from flarepp.bench.serve import ServeBenchConfig, goals, run_serve_bench
-    from flarepp.experiments.reports.common import fmt, markdown
-    from flarepp.io import atomic_write_json
+    from flarepp.bench.serve import ServeBenchConfig, goals, run_serve_bench  # (start-up time)
     if 1 not in args.clients:
         raise CLIError("--clients must include 1 (the latency goal compares with one client)")
     config = ServeBenchConfig(run=args.run, clients=tuple(args.clients), points=args.points,
@@ -43,9 +43,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     met = goals(result)
     print("\n" + "\n".join(markdown(["goal", "measured", "met"],
                                     [[g, fmt(v, ".3g"), ok] for g, v, ok in met])))
-    if args.json is not None:
-        atomic_write_json(args.json, {**result, "goals": met})
-        print(f"wrote {args.json}")
+    write_figures(args.json, {**result, "goals": met})
     return 0
 
 
@@ -58,7 +56,6 @@ DESCRIPTION = ("Starts `flarepp serve` twice on loopback ports (batched and unba
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers, counts
     p = bench_subparsers(sub).add_parser("serve", help=HELP, description=DESCRIPTION)
     p.add_argument("--run", help="an unconditioned run directory (default: one made here)")
     p.add_argument("--clients", type=counts(1), default=[1, 4, 16],

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+
+from flarepp.bench.scaling import parse_size
+from flarepp.cli.bench import add_model_arguments, bench_subparsers, write_figures
+from flarepp.device import PRECISIONS
+from flarepp.distributed.streaming import HIDDEN_ON
 
 
 def _size(text: str) -> int:
-    from flarepp.bench.scaling import parse_size
     try:
         value = parse_size(text)
     except ValueError as err:
@@ -27,7 +30,6 @@ def _sizes(text: str) -> list[int]:
 
 
 def _precisions(text: str) -> tuple[str, ...]:
-    from flarepp.device import PRECISIONS
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in names if t not in PRECISIONS]
     if unknown or not names:
@@ -40,8 +42,7 @@ def _mib(n: float) -> str:
 
 
 def _bench_stream(args: argparse.Namespace) -> int:
-    from flarepp.bench import streaming
-    from flarepp.io import atomic_write_json as write_json
+    from flarepp.bench import streaming  # (start-up time)
     settings = dict(mixer=args.mixer, in_dim=args.in_dim, out_dim=args.out_dim, dim=args.dim,
                     heads=args.heads, latents=args.latents, blocks=args.blocks)
     common = dict(threads=args.threads, device=args.device,
@@ -95,9 +96,7 @@ def _bench_stream(args: argparse.Namespace) -> int:
               f"{rec['minor_faults']} minor faults; "
               f"load {rec['load_before'][0]:.1f} -> {rec['load_after'][0]:.1f}; "
               f"allocator {rec['malloc']}")
-    if args.json:
-        write_json(Path(args.json), result)
-        print(f"\nwrote {args.json}")
+    write_figures(args.json, result)
     return 0
 
 
@@ -132,7 +131,6 @@ def _placements(streaming, settings: dict, args: argparse.Namespace, common: dic
 
 
 def _placements_arg(text: str) -> list[str]:
-    from flarepp.distributed.streaming import HIDDEN_ON
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names or any(n not in HIDDEN_ON for n in names):
         raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(HIDDEN_ON)}, "
@@ -141,7 +139,6 @@ def _placements_arg(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from flarepp.cli.bench import bench_subparsers
     p = bench_subparsers(sub).add_parser(
         "stream", help="block-wise streaming inference: time, peak memory and exactness "
                        "against the unchunked forward",
@@ -151,10 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixer", default="flarepp")
     p.add_argument("--in-dim", type=int, default=6)
     p.add_argument("--out-dim", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128, help="channels C")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--latents", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=8)
+    add_model_arguments(p, dim=128, heads=8, latents=64, blocks=8)
     p.add_argument("--n", type=_size, default=None,
                    help="tokens for the timed comparison (k = 1024, M = 1048576), e.g. 256k")
     p.add_argument("--chunk-size", type=_sizes, default=[16384],
