@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 from flarepp.cli import CLIError, say
+from flarepp.data import load_dataset
+from flarepp.data.convert import convert
+from flarepp.data.generators import GENERATORS
+from flarepp.data.spec import load_spec
+from flarepp.data.store import MeshStore
+from flarepp.device import available_memory
 from flarepp.values import parse_assignments
 
 
@@ -19,7 +25,6 @@ def _positive(text: str) -> int:
 
 
 def _make(args: argparse.Namespace) -> int:
-    from flarepp.data.generators import GENERATORS
     entry = GENERATORS.entry(args.dataset)
     resolution = entry.defaults.get("resolution") if args.resolution is None else args.resolution
     try:
@@ -28,7 +33,6 @@ def _make(args: argparse.Namespace) -> int:
     except (ModuleNotFoundError, FileExistsError) as err:
         raise CLIError(str(err)) from err
     except (MemoryError, ValueError) as err:
-        from flarepp.device import available_memory
         if isinstance(err, ValueError) and not str(err).startswith("array is too big"):
             raise  # only numpy's refusal of an array larger than any address space
         need = getattr(err, "_total_size", None)   # numpy's _ArrayMemoryError knows it
@@ -62,8 +66,6 @@ NEXT_STEP = {
 
 
 def _check(args: argparse.Namespace) -> int:
-    from flarepp.data import load_dataset
-    from flarepp.data.store import MeshStore
     if args.path is None or args.dataset == "store":
         root = Path(args.path or args.dataset)
         if not root.is_dir():
@@ -88,8 +90,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from flarepp.data.convert import convert
-    from flarepp.data.spec import load_spec
     flags = {"association": args.association, "geometry": _names(args.geometry),
              "inputs": _names(args.inputs), "targets": _names(args.targets),
              "conditions": _names(args.conditions), "condition_table": args.condition_table,
@@ -117,7 +117,6 @@ def _names(text: str | None) -> list[str] | None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from flarepp.data.generators import GENERATORS
     parser = subparsers.add_parser("data", help="make or check datasets")
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 

@@ -7,14 +7,14 @@ import time
 from pathlib import Path
 
 from flarepp.cli import add_threads_argument
+from flarepp.data.generators.darcy import make_darcy
+from flarepp.storage.rundir import RunDir
+from flarepp.tasks import plot_run_dir
+from flarepp.train import get_preset, train
+from flarepp.train.callbacks import WEIGHTS_NAME
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flarepp.data.generators.darcy import make_darcy
-    from flarepp.storage.rundir import RunDir
-    from flarepp.tasks import plot_run_dir
-    from flarepp.train import get_preset, train
-    from flarepp.train.callbacks import WEIGHTS_NAME
 
     data = Path(args.data)
     if not any(data.glob("piececonst_r*_N*_smooth1.mat")):

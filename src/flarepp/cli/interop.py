@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from flarepp.cli import at_least, check_output
+from flarepp.interop import import_checkpoint
 
 NORMALIZERS_HELP = ("the maps the model's training data went through, which the checkpoint "
                     "does not hold: a store (its training split's mean and std, and its "
@@ -14,7 +15,6 @@ NORMALIZERS_HELP = ("the maps the model's training data went through, which the 
 
 
 def _import(args: argparse.Namespace) -> int:
-    from flarepp.interop import import_checkpoint
     check_output(args.out, directory=True)
     options = {"config": args.config} if getattr(args, "config", None) else {}
     report = import_checkpoint(args.format, args.source, args.out, normalizers=args.normalizers,

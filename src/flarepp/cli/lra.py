@@ -13,7 +13,16 @@ import json
 from pathlib import Path
 
 from flarepp.cli import CLIError, at_least, check_output
-from flarepp.device import DEVICE_HELP
+from flarepp.cli.lra_data import add_data_commands
+from flarepp.cli.sweep import execute
+from flarepp.data.generators import how_to_get
+from flarepp.device import DEVICE_HELP, resolve_device
+from flarepp.distributed.mesh import launch
+from flarepp.experiments.studies import lra_point_config, lra_study
+from flarepp.tasks import build_task
+from flarepp.tasks.sequence import load_sequence_data
+from flarepp.train import Trainer
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 
 
 def _limits(items: list[str]) -> dict[str, int]:
@@ -27,18 +36,11 @@ def _limits(items: list[str]) -> dict[str, int]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from flarepp.device import resolve_device
-    from flarepp.distributed.mesh import launch
-    from flarepp.experiments.studies import lra_point_config
-    from flarepp.tasks import build_task
-    from flarepp.tasks.sequence import load_sequence_data
-    from flarepp.train import Trainer
     options = dict(steps=args.steps, split_limits=_limits(args.limit), data_root=args.data)
     overrides = list(args.set or []) + ([f"device={args.device}"] if args.device else [])
     nominal = lra_point_config(args.task, args.mixer, args.seed, args.size,
                                overrides=overrides, **options)
     if not Path(nominal.data_root).exists():
-        from flarepp.data.generators import how_to_get
         size = f"--size {args.size}"
         raise CLIError(f"data folder {nominal.data_root!r} does not exist (give --data, or "
                        f"{how_to_get(nominal.dataset, nominal.data_root, size)})")
@@ -81,8 +83,6 @@ def _data_roots(items: list[str]) -> dict[str, str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flarepp.cli.sweep import execute
-    from flarepp.experiments.studies import lra_study
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     mixers = [m.strip() for m in args.mixers.split(",") if m.strip()]
     if args.steps is not None and args.steps < 1:
@@ -100,8 +100,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from flarepp.cli.lra_data import add_data_commands
-    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     parser = subparsers.add_parser("lra", help="Long Range Arena (paper Sec. 4.3)")
     actions = parser.add_subparsers(dest="lra_command", metavar="ACTION", required=True)
     tasks = ", ".join(LRA_BENCHMARKS.names())

@@ -14,6 +14,9 @@ import argparse
 import numpy as np
 
 from flarepp.cli import CLIError, at_least
+from flarepp.data.lra import LRA_DATASETS, LRA_GENERATORS, load_lra
+from flarepp.data.lra.pathfinder import DIFFICULTIES
+from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
 from flarepp.values import parse_assignments
 
 _TASK_OF = {"listops": "listops", "pathfinder": "pathfinder32"}
@@ -23,8 +26,6 @@ _FLAGS = {"listops": ("n_train", "n_val", "n_test", "min_length", "max_length", 
 
 
 def _make(args: argparse.Namespace) -> int:
-    from flarepp.data.lra import LRA_GENERATORS
-    from flarepp.train.lra_benchmarks import LRA_BENCHMARKS
     options = dict(LRA_BENCHMARKS.get(_TASK_OF[args.generator]).tiny_make) \
         if args.size == "tiny" else {}
     options.update({k: getattr(args, k) for k in _FLAGS[args.generator]
@@ -43,7 +44,6 @@ def _make(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from flarepp.data.lra import load_lra
     options = parse_assignments(args.option, "--option")
     data = load_lra(args.dataset, args.path, **options)
     print(f"{data.task} from {data.source}: vocabulary {data.vocab_size}, "
@@ -59,8 +59,6 @@ def _check(args: argparse.Namespace) -> int:
 
 def add_data_commands(lra_actions: argparse._SubParsersAction) -> None:
     """Add ``data make`` and ``data check`` to the ``lra`` command group."""
-    from flarepp.data.lra import LRA_DATASETS
-    from flarepp.data.lra.pathfinder import DIFFICULTIES
     data = lra_actions.add_parser("data", help="make or check Long Range Arena data")
     actions = data.add_subparsers(dest="lra_data_command", metavar="ACTION", required=True)
     make = actions.add_parser("make", help="generate ListOps or Pathfinder in LRA's format")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from flarepp.cli import CLIError
+from flarepp.train.tracking import TRACKERS, TrackSettings
+
 
 def add_tracking_arguments(p: argparse.ArgumentParser) -> None:
-    from flarepp.train.tracking import TRACKERS
     p.add_argument("--track", choices=TRACKERS.names(),
                    help="also log config, per-epoch and final metrics and figures to MLflow "
                         "or TensorBoard (extra: pip install 'flarepp[track]'); this "
@@ -22,8 +24,6 @@ def add_tracking_arguments(p: argparse.ArgumentParser) -> None:
 
 def track_settings(args: argparse.Namespace):
     """The :class:`~flarepp.train.tracking.TrackSettings` the options ask for, or None."""
-    from flarepp.cli import CLIError
-    from flarepp.train.tracking import TrackSettings
     if args.track is None:
         if args.track_uri or args.track_experiment:
             raise CLIError("--track-uri and --track-experiment need --track mlflow|tensorboard")
