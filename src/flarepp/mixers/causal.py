@@ -76,13 +76,8 @@ class CausalFLAREConfig(MixerConfig):
 
 
 @dataclass(kw_only=True)
-class CausalFLAREPPConfig(FLAREPPConfig):
-    chunk_size: int = 64
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+class CausalFLAREPPConfig(CausalFLAREConfig, FLAREPPConfig):
+    """FLARE++'s settings and the parallel form's ``chunk_size`` (checked as causal FLARE's)."""
 
 
 @dataclass
@@ -119,9 +114,37 @@ class _CausalMixer(Mixer):
         return core_dtype(next(self.parameters()))
 
 
+class _CausalLatentMixer(_CausalMixer):
+    """What causal FLARE and FLARE++ share: one parallel form, ``_parallel(x, mask) ->
+    (y, state)`` on the checked input with its padded tokens zeroed, serves the forward and
+    the prefill; ``s`` is the attention scale."""
+
+    @property
+    def scale(self) -> float:
+        return default_scale(self.head_dim, self.config.attn_scale)
+
+    def _parallel(self, x: torch.Tensor, mask: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, CausalFLAREState]:
+        raise NotImplementedError
+
+    def _checked_parallel(self, x: torch.Tensor, mask: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, CausalFLAREState]:
+        check_tokens(x, mask, self.config.dim)
+        return self._parallel(zero_masked(x, mask), mask)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._checked_parallel(x, mask)[0]
+
+    def prefill(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
+                capacity: int | None = None) -> tuple[torch.Tensor, CausalFLAREState]:
+        """The parallel form and the state after the last real token (``capacity`` unused:
+        the state does not grow)."""
+        return self._checked_parallel(x, mask)
+
+
 @MIXERS.register("flare-causal",
                  doc="causal FLARE: prefix latents by online softmax, O(H M D) decoding state")
-class CausalFLARE(_CausalMixer):
+class CausalFLARE(_CausalLatentMixer):
     """Causal FLARE with FLARE's parameters (``3C^2 + MC``): ``K = X W_K``, ``V = X W_V``,
     learned ``Q_f [H, M, D]``, ``a = s K Q_f^T``, then :func:`causal_flare`, ``Y W_O``."""
 
@@ -134,15 +157,8 @@ class CausalFLARE(_CausalMixer):
         self.key_value_proj = near_identity_linear(c.dim, 2)                 # [W_K | W_V]
         self.out_proj = near_identity_linear(c.dim)
 
-    @property
-    def scale(self) -> float:
-        return default_scale(self.head_dim, self.config.attn_scale)
-
     def _parallel(self, x: torch.Tensor, mask: torch.Tensor | None
                   ) -> tuple[torch.Tensor, CausalFLAREState]:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
         keys, values = self.split_projections(self.key_value_proj(x), 2)    # [B,H,N,D]
         with no_autocast(x.device):
             dtype = core_dtype(keys)
@@ -151,15 +167,6 @@ class CausalFLARE(_CausalMixer):
         y, state = causal_flare(scores, values, mask, chunk_size=self.config.chunk_size)
         out = zero_masked(self.out_proj(self.merge_heads(y).to(x.dtype)), mask)
         return out, CausalFLAREState(state)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._parallel(x, mask)[0]
-
-    def prefill(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
-                capacity: int | None = None) -> tuple[torch.Tensor, CausalFLAREState]:
-        """The parallel form and the state after the last real token (``capacity`` unused:
-        the state does not grow)."""
-        return self._parallel(x, mask)
 
     def initial_state(self, batch: int, *, capacity: int | None = None) -> CausalFLAREState:
         """The empty-prefix state; ``capacity`` is accepted for API symmetry and unused."""
@@ -184,7 +191,7 @@ class CausalFLARE(_CausalMixer):
 
 @MIXERS.register("flarepp-causal",
                  doc="causal FLARE++: per-token synthesized queries from the prefix, O(H M D) state")
-class CausalFLAREPP(_CausalMixer):
+class CausalFLAREPP(_CausalLatentMixer):
     """Causal FLARE++ (module doc): FLARE++'s parameters (``4C^2 + 2MC + H``), norms and
     FP32 gated sum; the synthesis and the encode are both causal online softmaxes."""
 
@@ -203,10 +210,6 @@ class CausalFLAREPP(_CausalMixer):
         self.fixed_query_norm = HeadNorm(c.norm, c.head_dim, affine=False)    # N_0
         self.routing_key_norm = HeadNorm(c.norm, c.head_dim, affine=True)     # N_a
 
-    @property
-    def scale(self) -> float:
-        return default_scale(self.head_dim, self.config.attn_scale)
-
     def _latent_queries(self, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``N_a(Q~)``, ``N_0(Q_f)`` ``[H, M, D]`` and ``sigmoid(gamma)`` ``[H]`` in ``dtype``."""
@@ -220,9 +223,6 @@ class CausalFLAREPP(_CausalMixer):
 
     def _parallel(self, x: torch.Tensor, mask: torch.Tensor | None
                   ) -> tuple[torch.Tensor, CausalFLAREState]:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
         synthesis_keys, keys, values = (self.heads_first(t) for t in self._projections(x))
         s, T = self.scale, self.config.chunk_size
         with no_autocast(x.device):
@@ -238,15 +238,6 @@ class CausalFLAREPP(_CausalMixer):
         y, encode = causal_flare(scores, values, mask, chunk_size=T)
         out = zero_masked(self.out_proj(self.merge_heads(y).to(x.dtype)), mask)
         return out, CausalFLAREState(encode, synthesis)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._parallel(x, mask)[0]
-
-    def prefill(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
-                capacity: int | None = None) -> tuple[torch.Tensor, CausalFLAREState]:
-        """The parallel form and the state after the last real token (``capacity`` unused:
-        the state does not grow)."""
-        return self._parallel(x, mask)
 
     def initial_state(self, batch: int, *, capacity: int | None = None) -> CausalFLAREState:
         """The empty-prefix state; ``capacity`` is accepted for API symmetry and unused."""

@@ -39,14 +39,20 @@ from flarepp.ops.attention import default_scale
 
 
 class _DecodeOffset:
-    """The offset buffer and the decode that adds it (shared by both mixers)."""
+    """The offset buffer and the decode that adds it (shared by both mixers: listed first
+    among their bases, so its ``__init__`` adds the buffer after the mixer's own)."""
 
     #: the ``[H, M, D]`` parameters indexed by latent (what a split copies)
     latent_parameters: tuple[str, ...] = ()
 
-    def _register_offset(self) -> None:
-        c = self.config
-        self.register_buffer("decode_logit_offset", torch.zeros(c.heads, c.latents))
+    def __init__(self, config: MixerConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("decode_logit_offset", torch.zeros(config.heads, config.latents))
+
+    def checked_input(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``x`` checked against the mixer's width, its padded tokens zeroed."""
+        check_tokens(x, mask, self.config.dim)
+        return zero_masked(x, mask)
 
     def offset_decode(self, keys: torch.Tensor, queries: torch.Tensor, latents: torch.Tensor,
                       mask: torch.Tensor | None) -> torch.Tensor:
@@ -67,14 +73,8 @@ class RankAdaptiveFLARE(_DecodeOffset, FLARE):
     config_cls = MixerConfig
     latent_parameters = ("fixed_queries",)
 
-    def __init__(self, config: MixerConfig) -> None:
-        super().__init__(config)
-        self._register_offset()
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
+        x = self.checked_input(x, mask)
         keys, values = self.split_projections(self.key_value_proj(x), 2)
         queries = self.latents_for(self.fixed_queries, x.shape[0])
         latents = self.backend.encode(queries, keys, values, mask, scale=self.config.attn_scale)
@@ -93,14 +93,8 @@ class RankAdaptiveFLAREPP(_DecodeOffset, FLAREPP):
     config_cls = FLAREPPConfig
     latent_parameters = ("synthesis_seeds", "fixed_queries")
 
-    def __init__(self, config: FLAREPPConfig) -> None:
-        super().__init__(config)
-        self._register_offset()
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_tokens(x, mask, self.config.dim)
-        if mask is not None:
-            x = x.masked_fill(~mask[..., None], 0.0)
+        x = self.checked_input(x, mask)
         synthesis_keys, keys, values = self.split_projections_BNHD(self.key_value_proj(x), 3)
         synthesis_keys = self.heads_first(self.synthesis_key_norm(synthesis_keys))
         keys = self.heads_first(self.routing_key_norm(keys))
