@@ -25,6 +25,7 @@ from typing import Any
 from flarepp.bench.reference import REFERENCE_MIXER
 from flarepp.bench.scaling import (ScalingConfig, failed_points, format_table, parse_sizes,
                                    ratios, run_scaling, write_outputs)
+from flarepp.cli import at_least
 from flarepp.device import DEVICE_HELP
 from flarepp.io import atomic_write_json
 
@@ -43,13 +44,6 @@ def bench_subparsers(sub: argparse._SubParsersAction) -> argparse._SubParsersAct
         if isinstance(action, argparse._SubParsersAction):
             return action
     raise RuntimeError("`flarepp bench` exists but takes no sub-commands")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def counts(low: int):
@@ -80,10 +74,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, dim: int, heads: int, lat
                         blocks: int) -> None:
     """``--dim``, ``--heads``, ``--latents``, ``--blocks``: the size of the benchmarked
     model, with this benchmark's defaults."""
-    p.add_argument("--dim", type=_positive_int, default=dim, help="channels C")
-    p.add_argument("--heads", type=_positive_int, default=heads, help="heads H")
-    p.add_argument("--latents", type=_positive_int, default=latents, help="latents M")
-    p.add_argument("--blocks", type=_positive_int, default=blocks)
+    p.add_argument("--dim", type=at_least(1), default=dim, help="channels C")
+    p.add_argument("--heads", type=at_least(1), default=heads, help="heads H")
+    p.add_argument("--latents", type=at_least(1), default=latents, help="latents M")
+    p.add_argument("--blocks", type=at_least(1), default=blocks)
 
 
 def write_figures(path: str | Path | None, figures: Any) -> None:
@@ -153,11 +147,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="fp32 (LayerNorm) or autocast to bf16/fp16 (RMSNorm), paper C.2")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default auto)")
-    p.add_argument("--batch", type=_positive_int, default=8)
+    p.add_argument("--batch", type=at_least(1), default=8)
     add_model_arguments(p, dim=128, heads=8, latents=64, blocks=8)
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per point")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed steps per point")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    p.add_argument("--rounds", type=_positive_int, default=1,
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="measure each point this many times, round-robin over the mixers, "
                         "and pool the steps (for a shared, noisy machine)")
     p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
@@ -165,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 600)")
     p.add_argument("--total-budget", type=float, default=None, metavar="S",
                    help="skip the points that would end the whole sweep past S seconds")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=at_least(1), default=None,
                    help="CPU threads per measurement (default: torch's default)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (flarepp.compile_model); compile time is "

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flarepp.cli import CLIError, say
+from flarepp.cli import CLIError, at_least, say
 from flarepp.data import load_dataset
 from flarepp.data.convert import convert
 from flarepp.data.generators import GENERATORS
@@ -15,13 +15,6 @@ from flarepp.data.spec import load_spec
 from flarepp.data.store import MeshStore
 from flarepp.device import available_memory
 from flarepp.values import parse_assignments
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _make(args: argparse.Namespace) -> int:
@@ -123,9 +116,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make = sub.add_parser("make", help="generate a PDE dataset in a public benchmark layout")
     make.add_argument("dataset", choices=GENERATORS.names())
     make.add_argument("--out", required=True, help="directory for the files")
-    make.add_argument("--train", type=_positive, default=1000, help="training samples")
-    make.add_argument("--test", type=_positive, default=200, help="test samples")
-    make.add_argument("--resolution", type=_positive, default=None,
+    make.add_argument("--train", type=at_least(1), default=1000, help="training samples")
+    make.add_argument("--test", type=at_least(1), default=200, help="test samples")
+    make.add_argument("--resolution", type=at_least(1), default=None,
                       help="darcy: grid points per side (default 85); surface-flow: cells "
                            "per surface (default 5000); advection-diffusion: grid points per "
                            "side (default 32); laplace-store: points per sample (default "

@@ -12,9 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from flarepp.cli import CLIError, at_least, check_output
+from flarepp.cli import CLIError, check_output
 from flarepp.cli.lra_data import add_data_commands
 from flarepp.cli.sweep import execute
+from flarepp.cli.train import add_run_arguments, fit_run
 from flarepp.data.generators import how_to_get
 from flarepp.device import DEVICE_HELP, resolve_device
 from flarepp.distributed.mesh import launch
@@ -54,15 +55,10 @@ def _train(args: argparse.Namespace) -> int:
         trainer = Trainer(config, out, resume=args.resume, progress=not args.quiet,
                           parallel=plan, device=device,
                           task=build_task(config, config.data_root, data=data))
-        if trainer.is_writer and not args.quiet:
-            print(f"training {config.name} ({config.precision}, {config.epochs} epochs of "
-                  f"{trainer.steps_per_epoch} steps) on {device}, {plan.describe()}, into "
-                  f"{out}", flush=True)
-        metrics = trainer.fit(stop_after=args.stop_after)
-        if not trainer.is_writer:
-            return 0
+        metrics = fit_run(trainer, args, out, f"{config.name} ({config.precision}, "
+                          f"{config.epochs} epochs of {trainer.steps_per_epoch} steps) on "
+                          f"{device}, {plan.describe()}")
         if metrics is None:
-            print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
             return 0
         trainer.task.plot_run(out, config.plot_cases)
     chance = trainer.task.summarize("test", {})["chance"]
@@ -108,13 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("task", choices=LRA_BENCHMARKS.names(), metavar="TASK", help=tasks)
     t.add_argument("--mixer", default="flarepp", help="registered mixer (default flarepp)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", help="run directory (default runs/lra-TASK[-tiny][-MIXER]-seedK)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out")
-    t.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
-                   help="stop after this many epochs (resume later with --resume)")
-    t.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
-    t.add_argument("--data-parallel", action="store_true",
-                   help="under torchrun: split every batch over the ranks (DDP)")
+    add_run_arguments(t, out_help="run directory (default runs/lra-TASK[-tiny][-MIXER]-seedK)",
+                      data_parallel_help="under torchrun: split every batch over the ranks "
+                                         "(DDP)")
     t.add_argument("--data", help="data folder (default: the config's data_root)")
 
     c = actions.add_parser("compare", help="tasks x mixers x seeds, a Table 12-like table")

@@ -52,19 +52,40 @@ def _train(args: argparse.Namespace) -> int:
                           progress=not args.quiet, parallel=plan, device=device, plot=True,
                           init_from=args.init_from, init_normalizers=args.init_normalizers,
                           callbacks=track.callbacks(out, out.name) if track else ())
-        if trainer.is_writer and not args.quiet:
-            print(f"training {config.name} ({config.model.get('mixer')}, {config.precision}) "
-                  f"on {device}, {plan.describe()}, into {out}", flush=True)
-        metrics = trainer.fit(stop_after=args.stop_after)
-        if not trainer.is_writer:
-            return 0
+        metrics = fit_run(trainer, args, out, f"{config.name} ({config.model.get('mixer')}, "
+                          f"{config.precision}) on {device}, {plan.describe()}")
         if metrics is None:
-            print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
             return 0
     headline = f"test_{trainer.task.headline}"
     print(json.dumps(metrics, indent=2))
     print(f"{headline}: {metrics[headline]:.6g}   (run directory: {out})")
     return 0
+
+
+def fit_run(trainer: Trainer, args: argparse.Namespace, out: Path, what: str) -> dict | None:
+    """Train to the end or to ``--stop-after``, saying ``training WHAT into OUT`` first
+    (unless ``--quiet``). The final metrics, or None where the command has nothing more to
+    report: on a rank that does not write, or for a run stopped early (said, with the
+    command that continues it)."""
+    if trainer.is_writer and not args.quiet:
+        print(f"training {what}, into {out}", flush=True)
+    metrics = trainer.fit(stop_after=args.stop_after)
+    if trainer.is_writer and metrics is None:
+        print(f"stopped after {args.stop_after} epoch(s); continue with --resume --out {out}")
+    return metrics if trainer.is_writer else None
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, out_help: str,
+                      data_parallel_help: str) -> None:
+    """The options of a command that trains one run into its directory (``train``, ``lra
+    train``): ``--out``, ``--resume``, ``--stop-after``, ``--quiet``, ``--data-parallel``
+    (what :func:`fit_run` reads)."""
+    p.add_argument("--out", help=out_help)
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
+                   help="stop after this many epochs (resume later with --resume)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
+    p.add_argument("--data-parallel", action="store_true", help=data_parallel_help)
 
 
 def _run_config(args: argparse.Namespace, overrides: list[str]):
@@ -143,13 +164,6 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _context_parallel(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a rank count >= 1, got {text!r}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     _register_train(sub)
     e = sub.add_parser("eval", help="metrics of a checkpoint (raw and EMA weights) on its data")
@@ -188,7 +202,6 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
                    help=f"train the config a run wrote (RUN/{RunDir.CONFIG}) instead of a "
                         "preset")
     p.add_argument("--data", help="dataset directory (default: the preset's data_root)")
-    p.add_argument("--out", help="run directory (default: runs/PRESET)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config field, e.g. --set model.latents=32 (repeatable)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
@@ -203,7 +216,10 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
                         "eval_chunk_size, loader_workers and an unset points_per_step within "
                         "it and says so (default: the cgroup's or the address-space limit "
                         "where one is set; flarepp.train.budget)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    add_run_arguments(p, out_help="run directory (default: runs/PRESET)",
+                      data_parallel_help="under torchrun: split every global batch over the "
+                      "ranks (DistributedDataParallel); with --context-parallel K, over groups "
+                      "of K ranks")
     p.add_argument("--init-from", metavar="RUN",
                    help="fine-tune: start from this run's weights (a run directory or a "
                         "checkpoint; the same architecture) with a new optimiser on --data; "
@@ -211,14 +227,7 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-normalizers", choices=INIT_NORMALIZERS, default="keep",
                    help="with --init-from: keep its input/output normalisers (default) or "
                         "refit them on this run's training data")
-    p.add_argument("--stop-after", type=at_least(1), metavar="EPOCHS",
-                   help="stop after this many epochs (resume later with --resume)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
-    p.add_argument("--data-parallel", action="store_true",
-                   help="under torchrun: split every global batch over the ranks "
-                        "(DistributedDataParallel); with --context-parallel K, over groups "
-                        "of K ranks")
-    p.add_argument("--context-parallel", type=_context_parallel, nargs="?", const=0,
+    p.add_argument("--context-parallel", type=at_least(0), nargs="?", const=0,
                    metavar="K",
                    help="under torchrun: split every mesh's points over K ranks (default: "
                         "all ranks), paper Appendix B")
