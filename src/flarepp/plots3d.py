@@ -191,6 +191,23 @@ def _camera_frame(points_P3: np.ndarray):
     return focal, towards, up, right, np.abs(corners @ right).max(), np.abs(corners @ up).max()
 
 
+def _lit_renderer(actor):
+    """A white-background ``vtkRenderer`` of ``actor``, lit from both sides by one light
+    fixed relative to the camera (the same shading from any view)."""
+    from vtkmodules.vtkRenderingCore import vtkLight, vtkRenderer
+    renderer = vtkRenderer()
+    renderer.AddActor(actor)
+    renderer.SetBackground(1.0, 1.0, 1.0)
+    renderer.TwoSidedLightingOn()
+    renderer.AutomaticLightCreationOff()
+    light = vtkLight()
+    light.SetLightTypeToCameraLight()
+    light.SetPosition(0.3, 0.6, 1.0)        # fixed relative to the camera
+    light.SetFocalPoint(0.0, 0.0, 0.0)
+    renderer.AddLight(light)
+    return renderer
+
+
 class _VTKRenderer:
     """Renders one surface under a fixed camera, once per coloured panel, coloured by
     values at its cells or (``association="point"``) at its points."""
@@ -199,19 +216,11 @@ class _VTKRenderer:
                  association: str = "cell", lighting: tuple[float, float] = (AMBIENT, DIFFUSE)):
         from vtkmodules import vtkRenderingOpenGL2 as gl
         from vtkmodules.util.numpy_support import numpy_to_vtk, vtk_to_numpy
-        from vtkmodules.vtkCommonCore import vtkLookupTable, vtkPoints
-        from vtkmodules.vtkCommonDataModel import vtkCellArray, vtkPolyData
-        from vtkmodules.vtkRenderingCore import (vtkActor, vtkLight, vtkPolyDataMapper,
-                                                 vtkRenderer, vtkWindowToImageFilter)
+        from vtkmodules.vtkCommonCore import vtkLookupTable
+        from vtkmodules.vtkRenderingCore import (vtkActor, vtkPolyDataMapper,
+                                                 vtkWindowToImageFilter)
         self._numpy_to_vtk, self._vtk_to_numpy = numpy_to_vtk, vtk_to_numpy
-        self.polydata = vtkPolyData()
-        points = vtkPoints()
-        points.SetData(numpy_to_vtk(np.ascontiguousarray(surface.points), deep=True))
-        self.polydata.SetPoints(points)
-        cells = vtkCellArray()
-        cells.SetData(numpy_to_vtk(surface.offsets.astype(np.int64), deep=True),
-                      numpy_to_vtk(surface.connectivity.astype(np.int64), deep=True))
-        self.polydata.SetPolys(cells)
+        self.polydata = self._surface_polydata(surface)
         self.lut = vtkLookupTable()
         self.mapper = vtkPolyDataMapper()
         self.mapper.SetInputData(self.polydata)
@@ -230,21 +239,35 @@ class _VTKRenderer:
         prop.SetAmbient(lighting[0])
         prop.SetDiffuse(lighting[1])
         prop.SetSpecular(0.0)
-        self.renderer = vtkRenderer()
-        self.renderer.AddActor(actor)
-        self.renderer.SetBackground(1.0, 1.0, 1.0)
-        self.renderer.TwoSidedLightingOn()
-        self.renderer.AutomaticLightCreationOff()
-        light = vtkLight()
-        light.SetLightTypeToCameraLight()
-        light.SetPosition(0.3, 0.6, 1.0)        # fixed relative to the camera
-        light.SetFocalPoint(0.0, 0.0, 0.0)
-        self.renderer.AddLight(light)
+        self.renderer = _lit_renderer(actor)
         self.window = getattr(gl, window_class)()
         self.window.SetOffScreenRendering(1)
         self.window.AddRenderer(self.renderer)
         self.window.SetSize(*size)
-        focal, towards, up, _, half_w, half_h = _camera_frame(surface.points)
+        self._aim_camera(surface.points, size)
+        self._grab = vtkWindowToImageFilter
+        self.diagonal = float(np.linalg.norm(np.ptp(surface.points, axis=0)))
+        self.rendered = False
+        self.size = size
+
+    def _surface_polydata(self, surface: SurfacePolygons):
+        """The surface's points and polygons as a ``vtkPolyData`` (copies of the arrays)."""
+        from vtkmodules.vtkCommonCore import vtkPoints
+        from vtkmodules.vtkCommonDataModel import vtkCellArray, vtkPolyData
+        polydata = vtkPolyData()
+        points = vtkPoints()
+        points.SetData(self._numpy_to_vtk(np.ascontiguousarray(surface.points), deep=True))
+        polydata.SetPoints(points)
+        cells = vtkCellArray()
+        cells.SetData(self._numpy_to_vtk(surface.offsets.astype(np.int64), deep=True),
+                      self._numpy_to_vtk(surface.connectivity.astype(np.int64), deep=True))
+        polydata.SetPolys(cells)
+        return polydata
+
+    def _aim_camera(self, points_P3: np.ndarray, size: tuple[int, int]) -> None:
+        """A parallel projection along :data:`VIEW_DIRECTION` that frames the whole body in
+        a panel of ``size`` pixels, with a small margin."""
+        focal, towards, up, _, half_w, half_h = _camera_frame(points_P3)
         camera = self.renderer.GetActiveCamera()
         camera.ParallelProjectionOn()
         camera.SetFocalPoint(*focal)
@@ -252,10 +275,6 @@ class _VTKRenderer:
         camera.SetViewUp(*up)
         camera.SetParallelScale(1.04 * max(half_h, half_w * size[1] / size[0]))
         self.renderer.ResetCameraClippingRange()
-        self._grab = vtkWindowToImageFilter
-        self.diagonal = float(np.linalg.norm(np.ptp(surface.points, axis=0)))
-        self.rendered = False
-        self.size = size
 
     def visible_cells(self, centres_N3: np.ndarray) -> np.ndarray:
         """Boolean ``[N]``: the cell centre passes the z-buffer test of the view (the depth

@@ -351,7 +351,7 @@ def load_darcy(root: Path, *, resolution: int = 85, n_train: int = 1000,
 # Airfoil and Pipe (Geo-FNO structured meshes)
 
 def _load_structured(root: Path, dataset: str, prefix: str, grid: tuple[int, int],
-                     channel: int, min_channels: int, n_train: int, n_test: int
+                     channel: int, n_train: int, n_test: int
                      ) -> tuple[MeshSamples, MeshSamples, Path]:
     """``{prefix}_X/_Y.npy [S, H, W]`` and ``{prefix}_Q.npy [S, C, H, W]``, channel ``channel``.
 
@@ -366,8 +366,8 @@ def _load_structured(root: Path, dataset: str, prefix: str, grid: tuple[int, int
     _expect_shape(coord_y.shape, y_path, "Y", (s, *grid))
     fields = _load_npy(q_path, "Q")
     c = _expect_shape(fields.shape, q_path, "Q", (s, "C", *grid))["C"]
-    if c < min_channels:
-        raise DataError(f"{q_path}: key 'Q' has {c} channels, expected [S, {min_channels}, "
+    if c <= channel:
+        raise DataError(f"{q_path}: key 'Q' has {c} channels, expected [S, {channel + 1}, "
                         f"{grid[0]}, {grid[1]}] (channel {channel} is the target)")
     _enough(x_path, s, n_train + n_test, f"n_train={n_train} + n_test={n_test}")
 
@@ -382,22 +382,27 @@ def _load_structured(root: Path, dataset: str, prefix: str, grid: tuple[int, int
     return take(slice(0, n_train)), take(slice(n_train, n_train + n_test)), x_path.parent
 
 
-@_register("airfoil", doc="Geo-FNO airfoil: 221 x 51 body-fitted mesh -> Mach number")
-def load_airfoil(root: Path, *, n_train: int = 1000, n_test: int = 200) -> DatasetSplits:
-    """Geo-FNO Airfoil: inputs the mesh coordinates (x, y), output the Mach number (Q ch. 4)."""
-    train, test, folder = _load_structured(root, "airfoil", "NACA_Cylinder", AIRFOIL_GRID,
-                                           AIRFOIL_MACH_CHANNEL, 5, n_train, n_test)
-    return DatasetSplits("airfoil", train, test, field_names=["Mach number"],
-                         units="dimensionless", source=str(folder))
+def _register_structured(name: str, doc: str, prefix: str, grid: tuple[int, int],
+                         channel: int, field_name: str) -> Callable[..., DatasetSplits]:
+    """Register the Geo-FNO structured mesh ``name``: inputs the mesh coordinates (x, y),
+    output channel ``channel`` of ``{prefix}_Q.npy`` (``field_name``, dimensionless)."""
+    def load(root: Path, *, n_train: int = 1000, n_test: int = 200) -> DatasetSplits:
+        train, test, folder = _load_structured(root, name, prefix, grid, channel, n_train,
+                                               n_test)
+        return DatasetSplits(name, train, test, field_names=[field_name],
+                             units="dimensionless", source=str(folder))
+    load.__name__ = f"load_{name}"
+    load.__doc__ = (f"Geo-FNO {name}: inputs the mesh coordinates (x, y), output the "
+                    f"{field_name} (Q ch. {channel}).")
+    return _register(name, doc=doc)(load)
 
 
-@_register("pipe", doc="Geo-FNO pipe: 129 x 129 mesh -> horizontal velocity")
-def load_pipe(root: Path, *, n_train: int = 1000, n_test: int = 200) -> DatasetSplits:
-    """Geo-FNO Pipe: inputs the mesh coordinates (x, y), output the velocity u_x (Q ch. 0)."""
-    train, test, folder = _load_structured(root, "pipe", "Pipe", PIPE_GRID,
-                                           PIPE_VELOCITY_CHANNEL, 1, n_train, n_test)
-    return DatasetSplits("pipe", train, test, field_names=["velocity u_x"],
-                         units="dimensionless", source=str(folder))
+load_airfoil = _register_structured(
+    "airfoil", "Geo-FNO airfoil: 221 x 51 body-fitted mesh -> Mach number", "NACA_Cylinder",
+    AIRFOIL_GRID, AIRFOIL_MACH_CHANNEL, "Mach number")
+load_pipe = _register_structured(
+    "pipe", "Geo-FNO pipe: 129 x 129 mesh -> horizontal velocity", "Pipe", PIPE_GRID,
+    PIPE_VELOCITY_CHANNEL, "velocity u_x")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,14 +162,20 @@ LRA_BENCHMARKS: Registry = Registry("LRA benchmark")
 
 _FLARE = {"heads": 8, "latents": 128, "attn_scale": 1.0}
 
+
+def _tiny(**settings: Any) -> LRARunSettings:
+    """A task's CPU size: what every task's shares (2 blocks of width 64, 4 heads, FFN ratio
+    2, 32 latents, FLARE's family at ``attn_scale`` 1, FP32), then the task's ``settings``."""
+    shared = dict(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32,
+                  flare_family={"attn_scale": 1.0}, mixed_precision=False)
+    return LRARunSettings(**{**shared, **settings})
+
 LRA_BENCHMARKS.add("listops", LRABenchmark(
     name="listops", dataset="listops",
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
                          weight_decay=1e-5, train_samples=96_000),
-    tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, head="linear",
-                        flare_family={"attn_scale": 1.0}, steps=3_000, lr=1e-3,
-                        weight_decay=1e-5, train_samples=10_000, mixed_precision=False),
+    tiny=_tiny(head="linear", steps=3_000, lr=1e-3, weight_decay=1e-5, train_samples=10_000),
     tiny_dataset="listops",
     tiny_make={"n_train": 10_000, "n_val": 1_000, "n_test": 1_000, "min_length": 50,
                "max_length": 300},
@@ -181,10 +187,8 @@ LRA_BENCHMARKS.add("text", LRABenchmark(
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=4.0, latents=128,
                          pooling="cls", flare_family={"latents": 128, "attn_scale": None},
                          steps=20_000, lr=1e-5, weight_decay=1e-4, train_samples=25_000),
-    tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, pooling="cls",
-                        steps=2_000, lr=1e-3, weight_decay=1e-4,
-                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000},
-                        train_samples=5_000, mixed_precision=False),
+    tiny=_tiny(pooling="cls", flare_family={}, steps=2_000, lr=1e-3, weight_decay=1e-4,
+               split_limits={"train": 5_000, "val": 1_000, "test": 1_000}, train_samples=5_000),
     tiny_dataset=None,
     notes="The reference runs Text with rotary position embeddings (--pos_embed rope) inside "
           "attention, which the mixer interface does not take; learned absolute positions "
@@ -197,11 +201,8 @@ LRA_BENCHMARKS.add("retrieval", LRABenchmark(
     paper=LRARunSettings(blocks=4, dim=128, heads=4, ffn_ratio=4.0, latents=128,
                          head="linear", flare_family=_FLARE, steps=10_000, lr=5e-4,
                          weight_decay=1e-4, train_samples=147_086),
-    tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32, head="linear",
-                        flare_family={"attn_scale": 1.0}, steps=2_000, lr=1e-3,
-                        weight_decay=1e-4,
-                        split_limits={"train": 5_000, "val": 1_000, "test": 1_000},
-                        train_samples=5_000, mixed_precision=False),
+    tiny=_tiny(head="linear", steps=2_000, lr=1e-3, weight_decay=1e-4,
+               split_limits={"train": 5_000, "val": 1_000, "test": 1_000}, train_samples=5_000),
     tiny_dataset=None,
     notes="Two towers with shared weights, pooled summaries concatenated [u, v] as the "
           "reference (tower_combine='lra' gives LRA's [u, v, u*v, u-v]).",
@@ -212,11 +213,9 @@ LRA_BENCHMARKS.add("image", LRABenchmark(
     paper=LRARunSettings(blocks=3, dim=64, heads=4, ffn_ratio=2.0, latents=256,
                          flare_family={"heads": 8, "latents": 256, "attn_scale": 1.0},
                          steps=20_000, lr=1e-3, weight_decay=5e-2, train_samples=45_000),
-    tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=2.0, latents=32,
-                        flare_family={"attn_scale": 1.0}, steps=3_000, lr=1e-3,
-                        weight_decay=5e-2,
-                        split_limits={"train": 10_000, "val": 1_000, "test": 2_000},
-                        train_samples=10_000, mixed_precision=False),
+    tiny=_tiny(steps=3_000, lr=1e-3, weight_decay=5e-2,
+               split_limits={"train": 10_000, "val": 1_000, "test": 2_000},
+               train_samples=10_000),
     tiny_dataset="fashion-mnist",
     notes="Paper: grayscale CIFAR-10, 1024 tokens. Offline (tiny): Fashion-MNIST from "
           "Debian's dataset-fashion-mnist, 784 tokens; a different, easier data set.",
@@ -227,10 +226,8 @@ LRA_BENCHMARKS.add("pathfinder32", LRABenchmark(
     paper=LRARunSettings(blocks=4, dim=128, heads=8, ffn_ratio=1.0, latents=128,
                          embedding_dropout=0.1, flare_family=_FLARE, epochs=200, lr=5e-4,
                          weight_decay=5e-4, clip_grad_norm=0.5, mixed_precision=False),
-    tiny=LRARunSettings(blocks=2, dim=64, heads=4, ffn_ratio=1.0, latents=32,
-                        flare_family={"attn_scale": 1.0}, steps=3_000, lr=5e-4,
-                        weight_decay=5e-4, clip_grad_norm=0.5, train_samples=9_600,
-                        mixed_precision=False),
+    tiny=_tiny(ffn_ratio=1.0, steps=3_000, lr=5e-4, weight_decay=5e-4, clip_grad_norm=0.5,
+               train_samples=9_600),
     tiny_dataset="pathfinder",
     tiny_make={"count": 12_000, "difficulty": "curv_baseline"},
     tiny_load={"difficulty": "curv_baseline"},
