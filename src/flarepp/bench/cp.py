@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from flarepp.bench.memory import peak_rss_since, reset_peak_rss
+from flarepp.distributed import context_parallel, run_on_ranks, stream_forward
 from flarepp.models import build_model
 
 _MMAP_KEY, _MMAP_BYTES = "MALLOC_MMAP_THRESHOLD_", "131072"
@@ -61,7 +62,6 @@ def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, st
                   ) -> dict[str, float]:
     import torch.distributed as dist
 
-    from flarepp.distributed import context_parallel
     model = _model(settings)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, n_tokens, settings["in_dim"], generator=g)
@@ -88,7 +88,6 @@ def _scaling_rank(group, settings: dict[str, Any], n_tokens: int, batch: int, st
 def context_parallel_scaling(settings: dict[str, Any], n_tokens: int, ranks: list[int], *,
                              batch: int = 1, steps: int = 3) -> list[dict[str, Any]]:
     """Table 5's ``E`` and ``E_mem`` for each R in ``ranks`` (the first is the reference)."""
-    from flarepp.distributed import run_on_ranks
     rows = []
     for world in ranks:
         with _pinned_mmap_threshold():  # the ranks inherit it (see the module docstring)
@@ -111,7 +110,6 @@ def _memory_probe(settings: dict[str, Any], n_tokens: int,
                   chunk_sizes: list[int | None]) -> None:
     """Run in a fresh interpreter: one forward per entry of ``chunk_sizes`` (``None``:
     unchunked), in order, each with the high-water mark reset; print the peaks as JSON."""
-    from flarepp.distributed import stream_forward
     torch.set_num_threads(1)
     model = _model(settings).eval()
     x = torch.randn(1, n_tokens, settings["in_dim"], generator=torch.Generator().manual_seed(1))

@@ -30,6 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from flarepp.bench.fresh import in_fresh_interpreter, queued_seconds
+from flarepp.bench.memory import peak_rss_since, reset_peak_rss
+from flarepp.data.convert import convert
+from flarepp.data.spec import parse_spec
+
 
 def volume_cases(folder: Path, cases: int, cells: int, seed: int = 0) -> list[Path]:
     """``cases`` VTU files of about ``cells`` tetrahedra (a jittered box split into
@@ -54,8 +59,6 @@ def volume_cases(folder: Path, cases: int, cells: int, seed: int = 0) -> list[Pa
 def conversion_throughput(cases: int = 8, cells: int = 50_000, work_dir: str | None = None
                           ) -> dict[str, Any]:
     """Rows per second of converting ``cases`` VTU files, at cells and at points."""
-    from flarepp.data.convert import convert
-    from flarepp.data.spec import parse_spec
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         source = Path(tmp) / "cases"
         volume_cases(source, cases, cells)
@@ -110,10 +113,6 @@ def cell_type_mesh(cell_type: str, cells: int, seed: int = 0):
 def _convert_one(job: dict[str, Any]) -> dict[str, Any]:
     """Convert the file ``job["path"]`` (data at cells) into a store in ``job["out"]``:
     wall time, the peak resident set above the one before, the arrays' bytes."""
-    from flarepp.bench.fresh import queued_seconds
-    from flarepp.bench.memory import peak_rss_since, reset_peak_rss
-    from flarepp.data.convert import convert
-    from flarepp.data.spec import parse_spec
     import pyvista  # noqa: F401  (the readers' import is not the conversion's cost)
     spec = parse_spec({"association": "cell", "geometry": ["coordinates", "volumes"],
                        "targets": ["p"]})
@@ -135,7 +134,6 @@ def conversion_by_cell_type(cell_types: list[str], cells: int = 1_000_000, *, ro
     largest peak memory, the file's and the stored arrays' bytes."""
     import statistics
 
-    from flarepp.bench.fresh import in_fresh_interpreter
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         files = {}
         for cell_type in cell_types:
@@ -170,6 +168,7 @@ def loader_share(store: str | Path, *, preset: str = "store-tiny", workers: int 
     ``workers`` loader processes (module docstring)."""
     import torch
 
+    # here, not at the top: the conversion workers, which import this module, need no trainer
     from flarepp.inference.batching import epoch_keys, make_loader
     from flarepp.train import Trainer, get_preset
     sets = [f"loader_workers={workers}", "device=cpu", *(overrides or [])]

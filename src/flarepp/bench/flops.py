@@ -55,7 +55,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from flarepp.mixers import MixerConfig
+from flarepp.mixers import MixerConfig, list_mixers, mixer_config
+from flarepp.models.backbone import SurrogateConfig
 from flarepp.registry import Registry
 
 BACKWARD_FACTOR = 2.0
@@ -179,7 +180,6 @@ def _transolver3(n: int, c: MixerConfig) -> MixerCost:
 
 def mixers_without_formula() -> list[str]:
     """Registered mixers that :func:`model_flops` refuses (no formula written yet)."""
-    from flarepp.mixers import list_mixers
     return [name for name in list_mixers() if name not in MIXER_FLOPS]
 
 
@@ -192,8 +192,6 @@ def model_flops(settings: dict[str, Any], n_tokens: int, batch: int) -> dict[str
     ``"surrogate"`` or ``"luna"`` (the backbone with Luna's carried packed stream, the same
     products). Raises ``ValueError`` for another architecture or a mixer without a formula.
     """
-    from flarepp.mixers import mixer_config
-    from flarepp.models.backbone import SurrogateConfig
 
     arch = settings.get("arch", "surrogate")
     if arch not in ("surrogate", "luna"):

@@ -78,6 +78,9 @@ from flarepp.bench.flops import MIXER_FLOPS, model_flops
 from flarepp.bench.memory import PeakMemory
 from flarepp.bench.reference import REFERENCE_MIXER, flare_study_model
 from flarepp.device import autocast, available_memory, resolve_device, synchronize
+from flarepp.mixers import MIXERS
+from flarepp.models import build_model
+from flarepp.models.backbone import compile_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZE_SUFFIXES = {"": 1, "k": 2 ** 10, "m": 2 ** 20}
@@ -158,7 +161,6 @@ class ScalingConfig:
             raise ValueError(f"total_budget_s must be positive, got {self.total_budget_s}")
         if self.compile and self.warmup < 1:
             raise ValueError("compile=True needs warmup >= 1: the first step compiles")
-        from flarepp.mixers import MIXERS
         for name in self.mixers:
             if name == REFERENCE_MIXER:
                 if not self.reference_repo:
@@ -207,8 +209,6 @@ def _step(model: torch.nn.Module, x: torch.Tensor, precision: str) -> None:
 
 def measure_point(config: ScalingConfig, mixer: str, n: int) -> dict[str, Any]:
     """Build the model, then time and memory-probe its training steps in this process."""
-    from flarepp.models import build_model
-    from flarepp.models.backbone import compile_model
     dev = torch.device(config.device)
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -37,7 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from flarepp.data.convert import convert
+from flarepp.data.generators.elasticity import make_elasticity_mesh
+from flarepp.data.spec import parse_spec
+from flarepp.inference.predictor import load_predictor
 from flarepp.serve.process import ServerProcess, call_model, declared_body, start_server
+from flarepp.train import Trainer, get_preset
 
 TOKEN = "flarepp-bench-serve"
 BODY_MB = 64          # the servers' body budget (a 1M-point mesh of 6 channels is 24 MiB)
@@ -64,10 +69,6 @@ class ServeBenchConfig:
 
 def make_run(root: Path) -> Path:
     """A ``store-tiny`` run of one epoch on elasticity meshes (module docstring)."""
-    from flarepp.data.convert import convert
-    from flarepp.data.generators.elasticity import make_elasticity_mesh
-    from flarepp.data.spec import parse_spec
-    from flarepp.train import Trainer, get_preset
     make_elasticity_mesh(root / "cases", n_train=8, n_test=2, progress=False)
     spec = parse_spec({"targets": ["von_mises"], "split": {"test": "test/*"}})
     convert(root / "cases", root / "store", spec, progress=False)
@@ -103,7 +104,6 @@ def tensors(x: np.ndarray, coordinates: int) -> dict[str, np.ndarray]:
 
 def make_pool(run: str | Path, size: int, points: int, seed: int = 0) -> Pool:
     """``size`` random meshes of ``points`` points in the unit box and their answers."""
-    from flarepp.inference.predictor import load_predictor
     predictor = load_predictor(run, device="cpu")
     layout = predictor.layout
     if layout.conditions is not None:

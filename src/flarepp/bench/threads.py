@@ -18,7 +18,10 @@ from typing import Any, Callable
 
 import torch
 
+from flarepp.bench.scaling import ScalingConfig
+from flarepp.models import build_model
 from flarepp.threads import apply_threads, candidates, measure_threads, thread_budget
+from flarepp.train import get_preset
 
 DARCY_BATCH = 4
 DARCY_IN, DARCY_OUT = 3, 1  # grid coordinates and the coefficient in; the solution out
@@ -26,8 +29,6 @@ DARCY_IN, DARCY_OUT = 3, 1  # grid coordinates and the coefficient in; the solut
 
 def darcy_case(resolution: int) -> tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]:
     def build():
-        from flarepp.models import build_model
-        from flarepp.train import get_preset
         config = get_preset("darcy-tiny", [f"dataset_options.resolution={resolution}"])
         model = build_model(in_dim=DARCY_IN, out_dim=DARCY_OUT, **config.model_kwargs())
         return model, torch.randn(DARCY_BATCH, resolution * resolution, DARCY_IN)
@@ -36,8 +37,6 @@ def darcy_case(resolution: int) -> tuple[str, Callable[[], tuple[torch.nn.Module
 
 def surrogate_case(n: int) -> tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]:
     def build():
-        from flarepp.bench.scaling import ScalingConfig
-        from flarepp.models import build_model
         config = ScalingConfig(device="cpu")
         return (build_model(**config.model_settings("flarepp")),
                 torch.randn(1, n, config.in_dim))

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from flarepp.data.fingerprint import data_fingerprint
 from flarepp.data.layout import ChannelLayout, plain_layout
 
 
@@ -192,7 +193,6 @@ class MeshSamples:
 
     def fingerprint(self, path: Any) -> dict[str, Any]:
         """:func:`flarepp.data.fingerprint.data_fingerprint` of these arrays."""
-        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint(self, path)
 
     def validate(self, source: str) -> "MeshSamples":

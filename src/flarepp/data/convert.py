@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from flarepp.data.base import DataError
 from flarepp.data.fingerprint import sampled_digest
 from flarepp.data.layout import ChannelGroup, ChannelLayout, channel_names
-from flarepp.data.meshes import MESH_FORMATS, cell_geometry, format_of, read_mesh
+from flarepp.data.meshes import MESH_FORMATS, cell_geometry, format_of, known_suffixes, read_mesh
 from flarepp.data.spec import ArraySpec, ConversionSpec, SpecError
 from flarepp.data.store import MeshStore, StoreWriter
 from flarepp.io import UnsafeName, check_name, confined
@@ -133,7 +133,6 @@ def find_cases(source: str | Path, spec: ConversionSpec) -> list[Case]:
 
 
 def _suffixes() -> list[str]:
-    from flarepp.data.meshes import known_suffixes
     return known_suffixes()
 
 

@@ -53,7 +53,9 @@ import h5py
 import numpy as np
 
 from flarepp.data.base import DataError
+from flarepp.data.drivaerml import captured_vtk_messages, polygon_centres_and_normals
 from flarepp.device import available_memory
+from flarepp.io import UnsafeName, atomic_write, confined, require_room
 from flarepp.registry import Registry
 
 MESH_IO_HINT = "pip install 'flarepp[mesh-io]'"
@@ -252,7 +254,6 @@ def _vtk_read(path: Path, make_reader: Callable[[], Any] | None = None):
     """``make_reader().read()`` (default ``pyvista.read``) with VTK's messages captured
     (the reader's set-up parses files too): any error is a :class:`DataError` naming the
     file (VTK reports a truncated file in its log and returns what it could read)."""
-    from flarepp.data.drivaerml import captured_vtk_messages
     pv = require_pyvista()
     logged: list[str] = []
     try:
@@ -418,7 +419,6 @@ def xdmf_tree(path: Path):
 
 
 def _heavy_data_file(folder: Path, name: str, path: Path, fmt: str) -> Path:
-    from flarepp.io import UnsafeName, confined
     named = PurePosixPath(name)
     if named.is_absolute():   # meshio's own writer names a Binary file as it was given
         for base in (folder.absolute(), folder.resolve()):
@@ -502,7 +502,6 @@ class CellGeometry:
 def cell_geometry(mesh, path: Path | str) -> CellGeometry:
     """Centres, normals and areas (2-D cells) or centres and volumes (3-D cells) of every
     cell (module docstring); a degenerate cell (zero area or volume) raises, naming it."""
-    from flarepp.data.drivaerml import polygon_centres_and_normals
     dimension = cell_dimension(mesh, path)
     if dimension == 2:
         points = np.asarray(mesh.points, np.float64)
@@ -741,7 +740,6 @@ def write_fields(mesh, arrays: dict[str, np.ndarray], association: str, out: str
     (:func:`written_bytes`) and compared with the room there
     (:func:`flarepp.io.require_room`) before it runs, and its result is checked; a failure
     is an ``OSError`` naming the file and leaves no temporary."""
-    from flarepp.io import atomic_write, require_room
     pv = require_pyvista()
     if not isinstance(mesh, pv.PolyData):
         mesh = mesh.cast_to_unstructured_grid()

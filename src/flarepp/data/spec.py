@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from flarepp.data.base import validation_indices
 from flarepp.data.layout import ASSOCIATIONS
+from flarepp.data.meshes import MESH_FORMATS
 from flarepp.io import UnsafeName, check_name
 
 GEOMETRY = {"coordinates": "point positions, or cell centres with association 'cell'",
@@ -88,7 +90,6 @@ class SplitSpec:
 
     def assign(self, names: list[str]) -> dict[str, list[str]]:
         """``{"train", "test"[, "val"]: case names}`` for the sorted ``names``."""
-        from flarepp.data.base import validation_indices
         val = [n for n in names if self.val and fnmatch.fnmatch(n, self.val)]
         rest = [n for n in names if n not in set(val)]
         if self.test is not None:
@@ -240,7 +241,6 @@ def _check_scalars(d: dict[str, Any], where: str) -> None:
         except UnsafeName as err:
             raise SpecError(str(err)) from None
     if d.get("format") is not None:
-        from flarepp.data.meshes import MESH_FORMATS
         if d["format"] not in MESH_FORMATS:
             raise SpecError(f"{where}: unknown format {d['format']!r}; known formats: "
                             f"{', '.join(MESH_FORMATS.names())}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flarepp.storage.rundir import RunDir
 from flarepp.tasks.base import Task, gather_records, pad_stack
 from flarepp.tasks.registry import TASKS
 from flarepp.tasks import fields  # noqa: F401  (registers "fields")
@@ -36,7 +37,6 @@ def build_task(config: Any, data_root: str | Path, **options: Any) -> Task:
 
 def plot_run_dir(run_dir: str | Path, cases: int = 3) -> list[Path]:
     """The figures of any run directory, drawn by its task (``config.json``'s ``task``)."""
-    from flarepp.storage.rundir import RunDir
     run = RunDir(run_dir)
     return TASKS.get(run.read_config().task).plot_run(run.path, cases)
 

@@ -50,6 +50,8 @@ from flarepp.data import (ChannelStatistics, DataError, DatasetSplits, DataWarni
                           MeshSamples, Normalizer, load_dataset, subset_points)
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
+from flarepp.plots import Panel, Series, weight_series
+from flarepp.plots3d import plot_field_run
 from flarepp.registry import Registry
 from flarepp.storage.rundir import RunDir
 from flarepp.models.surrogate import UnitMaps
@@ -688,8 +690,6 @@ class FieldTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, weight_series
-        from flarepp.plots3d import plot_field_run
         run = RunDir(out_dir)
         # as stored: an unversioned config trained the legacy protocol (MSE)
         loss = run.read_config().loss if run.config_path.is_file() else "mse"

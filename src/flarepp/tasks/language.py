@@ -41,10 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flarepp.data import DataError
+from flarepp.data.fingerprint import data_fingerprint
 from flarepp.data.text import (ByteSplit, TextFiles, default_text_root,  # noqa: F401
                                held_out_fraction, load_text_files)
 from flarepp.io import atomic_write
 from flarepp.models import build_model
+from flarepp.plots import Panel, Series, plot_curves, weight_series
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
 from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
@@ -143,7 +145,6 @@ class LanguageModelTask(Task):
                 "bytes": {"train": len(c.train), "test": len(c.test)}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint({"train": self.corpus.train.data}, self.data_root)
 
     def check_model(self, model_config: dict[str, Any]) -> None:
@@ -163,7 +164,6 @@ class LanguageModelTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_curves, weight_series
         return [plot_curves(out_dir, [Panel("bits per byte", (
             Series("train_loss", "training (live weights)", 1.0 / LOG2),
             *weight_series("test_bits_per_byte", "held-out files")), log=False)])]

@@ -47,11 +47,13 @@ import torch
 from torch import nn
 
 from flarepp.data import DataError
+from flarepp.data.fingerprint import data_fingerprint
 from flarepp.data.rollout import RolloutData, load_rollout_data  # noqa: F401
 from flarepp.data.generators.advection_diffusion import (Trajectories, grid, periodic_gaussian)
 from flarepp.io import atomic_write_npz
 from flarepp.models import build_model
 from flarepp.models.surrogate import UnitMaps
+from flarepp.plots import Panel, Series, plot_curves, weight_series
 from flarepp.tasks.base import Batch, Item, Task, TokenSum, units_on
 from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
@@ -305,7 +307,6 @@ class RolloutTask(Task):
                 "trajectories": {"train": len(d.train), "test": len(d.test)}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.data.fingerprint import data_fingerprint
         return data_fingerprint({"u": self.data.train.u, "params": self.data.train.params},
                                 self.data_root)
 
@@ -342,7 +343,6 @@ def plot_rollout_run(run_dir: Path, cases: int = 3) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from flarepp.plots import Panel, Series, plot_curves, weight_series
     written = []
     run = RunDir(run_dir)
     if run.has_log():

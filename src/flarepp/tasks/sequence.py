@@ -42,9 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flarepp.data import DATASETS, DataError  # noqa: F401
+from flarepp.data.fingerprint import data_fingerprint
 from flarepp.data.lra import LRA_DATASETS, LRADataset, collate
 from flarepp.io import atomic_write_json, atomic_write_text
 from flarepp.models import build_model
+from flarepp.plots import Panel, Series, plot_curves, weight_series
 from flarepp.tasks.base import Batch, Item, Task, TokenSum
 from flarepp.storage.rundir import RunDir
 from flarepp.tasks.registry import TASKS
@@ -190,7 +192,6 @@ class SequenceTask(Task):
                 "samples": {name: len(split) for name, split in d.splits.items()}}
 
     def data_identity(self) -> dict[str, Any]:
-        from flarepp.data.fingerprint import data_fingerprint
         train = self.data.splits["train"]
         arrays = {"labels": train.labels}
         for k, document in enumerate(train.documents):
@@ -231,7 +232,6 @@ class SequenceTask(Task):
 
     @classmethod
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
-        from flarepp.plots import Panel, Series, plot_curves, weight_series
         references: tuple[tuple[float, str, str], ...] = ()
         summaries = sorted(Path(out_dir).glob(RunDir.ACCURACY.format(split="*")))
         if summaries:   # chance levels of the run's data

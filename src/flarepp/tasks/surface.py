@@ -69,9 +69,10 @@ from torch import nn
 from flarepp.data import DataError, Normalizer, load_dataset, subset_points
 from flarepp.data.drivaerml import (FIELD_NAMES, FIELD_UNITS, PRESSURE_ARRAY,
                                     WALL_SHEAR_ARRAY, DrivAerMLSurfaces, SurfaceStatistics)
+from flarepp.data.fingerprint import data_fingerprint
 from flarepp.data.surface import (DATASET, TEST_SPLITS, SurfaceData,  # noqa: F401  (re-exported)
                                   check_options, load_drivaerml, resolve_split_file)
-from flarepp.plots3d import CASE_FILE
+from flarepp.plots3d import CASE_FILE, median_case, plot_surface_run
 from flarepp.storage.rundir import RunDir
 from flarepp.io import atomic_write_json, atomic_write_npz
 from flarepp.models import build_model
@@ -304,7 +305,6 @@ class SurfaceTask(Task):
         """The training runs' ids and cell counts and the training statistics (bounding box,
         mean and std over every cell, in float64): a content fingerprint that costs no pass
         over the cells once the statistics are cached."""
-        from flarepp.data.fingerprint import data_fingerprint
         runs = self.data.cars("train")
         cells = np.array([self.data.surfaces.load(r).n_cells for r in runs], np.int64)
         s = self.statistics
@@ -323,7 +323,6 @@ class SurfaceTask(Task):
 
     def cases_to_predict(self, split: str, records: dict[str, np.ndarray]) -> list[int]:
         """The case of Figures 13-14: the median-error car of the first ``FIGURE_SUBSET``."""
-        from flarepp.plots3d import median_case
         if not len(records.get("index", ())):
             return []
         errors = case_channel_errors(records).mean(axis=1)
@@ -368,7 +367,6 @@ class SurfaceTask(Task):
     def plot_run(cls, out_dir: Path, cases: int) -> list[Path]:
         """Figures 13-14 for the run's saved case (``cases`` does not apply: the paper shows
         one car) and the training curves."""
-        from flarepp.plots3d import plot_surface_run
         return plot_surface_run(out_dir)
 
     # -- inference on whole surfaces (``flarepp infer``) ----------------------------------

@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from flarepp.data.drivaerml import require_vtk
 from flarepp.data.generators._io import check_disk_room, refuse_existing, write_atomically
 from flarepp.data.loaders import ELASTICITY_POINTS as N_POINTS
 from flarepp.data.loaders import ELASTICITY_SIGMA_FILE as SIGMA_FILE
 from flarepp.data.loaders import ELASTICITY_XY_FILE as XY_FILE
-from flarepp.io import save_npy
+from flarepp.io import atomic_write, save_npy
 
 YOUNG_MODULUS = 1.0
 POISSON_RATIO = 0.3
@@ -186,8 +187,6 @@ def write_case_vtu(path: str | Path, vertices_V2: np.ndarray, triangles_T3: np.n
                    point_data: dict[str, np.ndarray], field_data: dict[str, float]) -> Path:
     """A triangle mesh as a VTK XML unstructured grid (``z = 0``), written atomically,
     with ``point_data`` arrays and ``field_data`` scalars."""
-    from flarepp.data.drivaerml import require_vtk
-    from flarepp.io import atomic_write
     core, data_model, io_xml, numpy_support = require_vtk()
     grid = data_model.vtkUnstructuredGrid()
     points = core.vtkPoints()
