@@ -10,8 +10,11 @@ registered mixer equal ``torch.utils.flop_counter.FlopCounterMode``'s count.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +305,66 @@ def test_flop_formulas_cover_the_papers_mixers():
     table1 = {"attention", "flare", "flarepp", "flarepp-simple", "flarepp-v1", "abupt",
               "luna", "transolver", "transolver++", "transolver3"}
     assert table1 <= set(MIXER_FLOPS.names())
+
+
+# ---------------------------------------------------------------------------------------------
+# function length and function-level imports (issue 37)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "flarepp"
+MAX_FUNCTION_LINES = 60
+FUNCTION_LEVEL_IMPORTS = 15
+"""Imports of flarepp modules inside functions (15 at issue 37's clean-up, from 133). This
+ceiling only goes down: an import belongs at the top of its module unless it would cost
+every ``flarepp`` start (measured: ``python -X importtime -m flarepp --help``), keep a
+worker process light or reach the public API lazily. Lazy imports of optional extras
+(pyvista, vtk, onnxruntime, optuna, mlflow, ...) are not counted."""
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        found += [(f"{path.relative_to(SRC.parent)}:{node.lineno} {node.name}", node)
+                  for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return found
+
+
+def _is_flarepp_import(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] == "flarepp"
+    return isinstance(node, ast.Import) and any(a.name.split(".")[0] == "flarepp"
+                                                for a in node.names)
+
+
+def test_no_function_is_over_60_lines():
+    """No function or method in ``src/`` spans more than 60 lines (its decorators aside):
+    a longer one is split into named steps."""
+    lengths = [(where, node.end_lineno - node.lineno + 1) for where, node in _functions()]
+    long = [f"{where} ({n} lines)" for where, n in lengths if n > MAX_FUNCTION_LINES]
+    assert not long, "functions over 60 lines:\n  " + "\n  ".join(long)
+
+
+def test_function_level_flarepp_imports_do_not_grow():
+    """The imports of flarepp modules made inside functions stay at or below
+    :data:`FUNCTION_LEVEL_IMPORTS` (each counted once, also in nested functions)."""
+    lazy = sorted({f"{where.split(' ')[0].rsplit(':', 1)[0]}:{sub.lineno}"
+                   for where, node in _functions() for sub in ast.walk(node)
+                   if sub is not node and _is_flarepp_import(sub)})
+    assert len(lazy) <= FUNCTION_LEVEL_IMPORTS, (
+        f"{len(lazy)} function-level flarepp imports (ceiling {FUNCTION_LEVEL_IMPORTS}); move "
+        "the new ones to the top of their module:\n  " + "\n  ".join(lazy))
+
+
+def test_the_health_checks_see_a_long_function_and_a_lazy_import(tmp_path, monkeypatch):
+    """The two checks above read what they should: a planted 61-line function and a
+    function-level flarepp import are both found (so they cannot pass by reading nothing)."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(59))
+    (tmp_path / "planted.py").write_text(f"def long():\n{body}\n    return 0\n\n\n"
+                                         "def lazy():\n    from flarepp import io\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    with pytest.raises(AssertionError, match=r"planted.py:1 long \(61 lines\)"):
+        test_no_function_is_over_60_lines()
+    monkeypatch.setattr(sys.modules[__name__], "FUNCTION_LEVEL_IMPORTS", 0)
+    with pytest.raises(AssertionError, match=r"1 function-level flarepp imports"):
+        test_function_level_flarepp_imports_do_not_grow()
