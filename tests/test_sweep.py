@@ -218,6 +218,34 @@ def test_divergence_is_final_and_a_full_disk_is_not(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_failed_allocation_leaves_its_point_resumable_with_its_sentence(tmp_path,
+                                                                         monkeypatch):
+    """A point whose training runs out of memory (the trainer's OutOfMemory, one sentence
+    naming the stage, the bytes and the option that bounds them) is an environment error:
+    left resumable, its event of kind "environment" holding the sentence, the study's exit
+    status 1; the next run trains it. Before, it was recorded as an "unexpected" error."""
+    import flarepp.experiments.engine as engine
+    from flarepp.allocator import OutOfMemory
+    sentence = ("out of memory in a training step of epoch 1 (an allocation of 2 GiB "
+                "failed): bound it with batch_size (now 4); no checkpoint was written yet")
+
+    def out_of_memory(self):  # as the trainer's stages raise it (flarepp.train.stages)
+        raise OutOfMemory(sentence)
+    data = _npz(tmp_path / "d.npz")
+    study = sweep_study("npz", parse_axes(["seed=0"]), data=str(data), sets=[*TINY, "epochs=1"])
+    out = tmp_path / "sw"
+    create_study(out, study)
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.Trainer, "train_epoch", out_of_memory)
+        done = run_study(study, out, **QUIET)
+        assert done["error"] == ["seed-0"]
+        assert main(["sweep", "--out", str(out), "--quiet"]) == 1
+    error = [e for e in read_events(out) if e["event"] == "error"][-1]
+    assert error["kind"] == "environment" and error["error"] == f"OutOfMemory: {sentence}"
+    assert run_study(study, out, **QUIET)["finished"] == ["seed-0"]
+
+
+@pytest.mark.slow
 def test_reuse_checks_the_data_fingerprint(tmp_path):
     """A finished point is reused only while the data at its path is the data it was
     trained on: after the data is regenerated there, the rerun does not reuse it: it keeps

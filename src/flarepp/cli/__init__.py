@@ -21,8 +21,8 @@ from flarepp.data import DataError
 from flarepp.data.fingerprint import DataMismatch
 from flarepp.distributed import RankFailure
 from flarepp.io import UnreadableFile
+from flarepp.locks import LeaseLost
 from flarepp.storage.checkpoint import CheckpointError
-from flarepp.storage.locks import LeaseLost
 from flarepp.storage.rundir import RunLocked
 from flarepp.train.loop import TrainingInterrupted
 

@@ -16,7 +16,7 @@ from flarepp.experiments.engine import continue_command
 from flarepp.experiments import launch as launching
 from flarepp.experiments.reports import write_report
 from flarepp.experiments.studies import open_any_study
-from flarepp.storage.locks import GRACE_S
+from flarepp.locks import GRACE_S
 
 LAUNCH_OPTIONS = ("workers", "time", "partition", "account", "qos", "gpus_per_task",
                   "cpus_per_task", "sbatch", "wait")

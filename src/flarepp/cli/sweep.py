@@ -23,7 +23,7 @@ from flarepp.cli.launcher import add_launcher_options, claim_grace, launch_spec,
 from flarepp.cli.tracking import add_tracking_arguments, track_settings
 from flarepp.experiments import engine, plan, reports, search
 from flarepp.experiments.studies import parse_axes, sweep_study
-from flarepp.storage.locks import GRACE_S
+from flarepp.locks import GRACE_S
 from flarepp.storage.studydir import StudyDir
 
 

@@ -14,7 +14,7 @@ what became of it. Working on a point is the same for every source (:class:`Poin
 * its state (:func:`point_state`); a settled point (finished, failed, pruned) is told, not
   trained;
 * its claim, ``claims/<point>/.lock``: a process works on a point only while it holds this
-  :class:`~flarepp.storage.locks.Lease` (an exclusive create with a heartbeat, which holds
+  :class:`~flarepp.locks.Lease` (an exclusive create with a heartbeat, which holds
   across hosts sharing the directory). The lease is the one record of who works on what:
   a point whose holder was killed is taken over at once on the holder's host, and by
   another host once the holder's heartbeat is older than its grace period; the taker
@@ -66,9 +66,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from flarepp.data.fingerprint import DataMismatch, check_same_data
+from flarepp.locks import GRACE_S, Lease, RunLock, RunLocked
 from flarepp.storage.checkpoint import CheckpointError, newest_readable_checkpoint
 from flarepp.storage.config import RUNTIME_FIELDS, RunConfig
-from flarepp.storage.locks import GRACE_S, Lease, RunLock, RunLocked
 from flarepp.storage.rundir import RunDir
 from flarepp.storage.studydir import Point, Study, StudyDir, check_point_name
 from flarepp.tasks import TASKS, build_task
@@ -352,8 +352,12 @@ OUTCOMES = ("finished", "failed", "pruned", "error", "skipped", "reused")
 
 
 def environment_errors() -> tuple[type[BaseException], ...]:
-    """Errors that have nothing to do with the numbers: they leave a point resumable."""
-    return (OSError, RunLocked, DataMismatch, CheckpointError, torch.OutOfMemoryError)
+    """Errors that have nothing to do with the numbers: they leave a point resumable. A
+    failed allocation is one of them: the trainer's :class:`~flarepp.allocator.OutOfMemory`
+    (a ``MemoryError`` whose sentence names the stage, the bytes and the option that bounds
+    it), numpy's ``MemoryError`` and torch's ``OutOfMemoryError``."""
+    return (OSError, RunLocked, DataMismatch, CheckpointError, MemoryError,
+            torch.OutOfMemoryError)
 
 
 def error_kind(err: BaseException) -> str:
@@ -631,7 +635,7 @@ def run_study(study: Study | PointSource, out_dir: str | Path, *,
     (:func:`train_point`). Returns this process's point names by what they count as
     (:data:`OUTCOMES`: ``finished``, ``failed``, ``pruned``, ``error`` (left resumable),
     ``skipped`` (held by another process), ``reused``). A study directory where no claim can
-    be made raises :class:`~flarepp.storage.locks.LockUnavailable` before anything is
+    be made raises :class:`~flarepp.locks.LockUnavailable` before anything is
     trained."""
     check_runtime(runtime)
     source = GridSource(study) if isinstance(study, Study) else study

@@ -42,8 +42,8 @@ from typing import Any, Callable
 from flarepp.experiments.engine import (Study, StudyInterrupted, check_runtime, create_study,
                                         point_state, run_study)
 from flarepp.experiments.studies import open_any_study
+from flarepp.locks import GRACE_S, HOST_ENV
 from flarepp.registry import Registry
-from flarepp.storage.locks import GRACE_S, HOST_ENV
 from flarepp.storage.studydir import StudyDir
 from flarepp.threads import CORES_ENV, usable_cores, worker_share
 

@@ -60,9 +60,9 @@ from flarepp.experiments.engine import (Claim, Offer, Outcome, Point, PointState
 from flarepp.experiments.studies import (SWEEP_REPORTS, Range, open_any_study, parse_range,
                                          split_values, sweep_study)
 from flarepp.io import UnreadableFile, UnsafeName
+from flarepp.locks import RunLocked
 from flarepp.registry import Registry
 from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import RunLocked
 from flarepp.storage.rundir import RunDir
 from flarepp.storage.studydir import StudyDir, check_point_name
 from flarepp.tasks import TASKS

@@ -56,8 +56,8 @@ from flarepp.data.store import StoreSamples
 from flarepp.device import peak_host_memory
 from flarepp.inference.predictor import Predictor, PredictorError
 from flarepp.io import atomic_write, confined
+from flarepp.locks import file_safe
 from flarepp.plots3d import plot_mesh_fields
-from flarepp.storage.locks import file_safe
 from flarepp.tasks import TASKS
 from flarepp.tasks.surface import METRIC_SCALE, integrated_forces
 

@@ -27,8 +27,8 @@ import torch
 
 from flarepp.data.meshes import format_of, read_mesh, write_fields
 from flarepp.inference.mesh_cases import mesh_cases
+from flarepp.locks import file_safe
 from flarepp.serve.run import ServedRun
-from flarepp.storage.locks import file_safe
 from flarepp.tasks.surface import integrated_forces
 
 

@@ -10,7 +10,7 @@
 * :class:`RunLock` -- the lease on ``<run>/.lock`` held for the run's life, so two
   ``flarepp train`` processes, on one host or on two sharing the directory, cannot interleave
   one log and overwrite each other's checkpoints. It lives with every other lease in
-  :mod:`flarepp.storage.locks` (an exclusive create with a heartbeat, not a kernel lock, which
+  :mod:`flarepp.locks` (an exclusive create with a heartbeat, not a kernel lock, which
   shared filesystems do not keep coherent); a second process gets :class:`RunLocked`, naming
   the holder (pid, host, start time, command).
 
@@ -33,8 +33,8 @@ from typing import Any, Iterable
 
 from flarepp.io import (append_line, atomic_write_json, atomic_write_text, fsync_directory,
                         UnreadableFile, read_json, read_json_lines)
+from flarepp.locks import LOCK_NAME, LockHolder, RunLock, RunLocked
 from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import LOCK_NAME, LockHolder, RunLock, RunLocked
 from flarepp.version import __version__
 
 

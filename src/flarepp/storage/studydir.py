@@ -12,7 +12,7 @@ each; no other module spells one (``tests/test_study_files.py`` scans the source
   milliseconds (:meth:`StudyDir.locked`);
 * ``runs/<point>/`` -- one run directory per point (a :class:`RunDir`);
 * ``claims/<point>/.lock`` -- the lease a process holds while it works on the point
-  (:meth:`StudyDir.claim`, :class:`~flarepp.storage.locks.Lease`): the one record of who
+  (:meth:`StudyDir.claim`, :class:`~flarepp.locks.Lease`): the one record of who
   works on a point, across hosts;
 * ``events/<host>-<pid>.jsonl`` -- what each process did to which point, one file per
   process (an earlier flarepp's single ``events.jsonl`` is still read);
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flarepp.io import UnreadableFile, UnsafeName, atomic_write_json, confined, read_json
+from flarepp.io import UnreadableFile, atomic_write_json, check_name, confined, read_json
+from flarepp.locks import GRACE_S, LOCK_NAME, Lease, RunLocked, file_safe, host_id
 from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import GRACE_S, LOCK_NAME, Lease, RunLocked, file_safe, host_id
 from flarepp.storage.rundir import RunDir
 
 FORMAT = 1
@@ -50,13 +50,8 @@ FORMAT = 1
 def check_point_name(name: Any) -> str:
     """``name``, a point's name: it becomes a path under ``runs/``, ``claims/``,
     ``superseded/`` and ``tensorboard/``, so it is a relative path of plain parts
-    (:func:`flarepp.io.confined`); anything else is :class:`~flarepp.io.UnsafeName`."""
-    try:  # the form alone: nothing exists under the null device to be a link
-        confined(Path(os.devnull), name, what="point name")
-    except UnsafeName:
-        raise UnsafeName(f"point name {name!r} is not a relative path inside the study (parts "
-                         "separated by '/', none empty, '.' or '..', no backslash or control "
-                         "character)") from None
+    (:func:`flarepp.io.check_name`); anything else is :class:`~flarepp.io.UnsafeName`."""
+    check_name(name, what="point name", inside="the study")
     return name
 
 

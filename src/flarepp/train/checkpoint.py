@@ -35,12 +35,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from flarepp.locks import Lease
 from flarepp.storage.checkpoint import (CheckpointError, CheckpointSearch,
                                         newest_readable_checkpoint, read_checkpoint,
                                         rebuild_model, remove_stale_temporaries,
                                         save_checkpoint)
 from flarepp.storage.config import RunConfig
-from flarepp.storage.locks import Lease
 from flarepp.storage.rundir import RunDir, checkpoint_epoch
 
 

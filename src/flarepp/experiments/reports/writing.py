@@ -13,7 +13,7 @@ from flarepp.experiments.reports.registry import REPORTS
 from flarepp.experiments.reports.rows import collect, results_text
 from flarepp.experiments.studies import SWEEP_REPORTS
 from flarepp.io import atomic_write_text
-from flarepp.storage.locks import file_safe
+from flarepp.locks import file_safe
 from flarepp.storage.studydir import StudyDir
 
 TITLES = {"sweep": "Sweep", "compare": "Comparison", "lra": "LRA comparison",
