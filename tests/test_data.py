@@ -390,3 +390,18 @@ def test_cli_data_make_writes_files_and_refuses_to_overwrite(tmp_path, capsys):
     assert main(["data", "check", "darcy", str(out), "--option", "resolution=9",
                  "--option", "n_train=2", "--option", "n_test=1"]) == 0
     assert "x [2, 81, 3]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["darcy", "elasticity", "elasticity-mesh", "surface-flow",
+                                  "advection-diffusion"])
+def test_every_generator_refuses_empty_splits_and_negative_seeds_alike(name, tmp_path):
+    """A train or test count below one or a negative seed is one sentence naming the
+    generator and the three values, before anything is written (one check shared by the
+    generators: each had its own wording)."""
+    from flarepp.data.generators import GENERATORS
+    make = GENERATORS.entry(name).obj
+    for train, test, seed in [(0, 1, 0), (1, 0, 0), (1, 1, -1)]:
+        with pytest.raises(ValueError, match=f"^{name} needs train, test >= 1 and seed >= 0, "
+                                             f"got train={train}, test={test}, seed={seed}$"):
+            make(tmp_path / "out", n_train=train, n_test=test, seed=seed)
+    assert not (tmp_path / "out").exists()

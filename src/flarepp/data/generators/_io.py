@@ -21,6 +21,14 @@ def write_atomically(files: dict[Path, Callable[[BinaryIO], None]]) -> list[Path
     return atomic_write_all({path: through_handle(writer) for path, writer in files.items()})
 
 
+def check_counts(what: str, n_train: int, n_test: int, seed: int) -> None:
+    """Refuse a train or test count below one or a negative seed, in one ``ValueError``
+    naming the generator ``what`` and the three values."""
+    if n_train < 1 or n_test < 1 or seed < 0:
+        raise ValueError(f"{what} needs train, test >= 1 and seed >= 0, got train={n_train}, "
+                         f"test={n_test}, seed={seed}")
+
+
 def refuse_existing(paths: list[Path], overwrite: bool) -> None:
     """Raise ``FileExistsError`` naming the files, unless ``overwrite`` allows replacing them."""
     existing = [str(p) for p in paths if p.exists()]

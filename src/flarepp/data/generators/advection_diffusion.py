@@ -44,7 +44,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flarepp.data.base import DataError
-from flarepp.data.generators._io import refuse_existing, write_atomically
+from flarepp.data.generators._io import check_counts, refuse_existing, write_atomically
 
 STEPS = 20
 DT = 0.05
@@ -156,9 +156,7 @@ def make_advection_diffusion(out: str | Path, *, n_train: int = 1000, n_test: in
     resolution = 32 if resolution is None else int(resolution)
     if resolution < 4:
         raise ValueError(f"advection-diffusion resolution must be >= 4, got {resolution}")
-    if n_train < 1 or n_test < 1 or seed < 0:
-        raise ValueError(f"need n_train, n_test >= 1 and seed >= 0, got {n_train}, "
-                         f"{n_test}, {seed}")
+    check_counts("advection-diffusion", n_train, n_test, seed)
     out = Path(out)
     paths = {split: out / name for split, name in FILE_NAMES.items()}
     refuse_existing(list(paths.values()), overwrite)

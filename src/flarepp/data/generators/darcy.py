@@ -38,7 +38,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 from tqdm.auto import tqdm
 
-from flarepp.data.generators._io import refuse_existing, write_atomically
+from flarepp.data.generators._io import check_counts, refuse_existing, write_atomically
 
 TAU = 3.0
 ALPHA = 2.0
@@ -128,11 +128,7 @@ def make_darcy(out: str | Path, *, n_train: int = 1000, n_test: int = 200,
     resolution = 85 if resolution is None else int(resolution)
     if resolution < 3:
         raise ValueError(f"darcy resolution must be >= 3, got {resolution}")
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"darcy needs at least one train and one test sample, got "
-                         f"train={n_train}, test={n_test}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
+    check_counts("darcy", n_train, n_test, seed)
     out = Path(out)
     train_name, test_name = darcy_file_names(resolution, n_train, n_test)
     paths = [out / train_name, out / test_name]

@@ -36,7 +36,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flarepp.data.drivaerml import require_vtk
-from flarepp.data.generators._io import check_disk_room, refuse_existing, write_atomically
+from flarepp.data.generators._io import (check_counts, check_disk_room, refuse_existing,
+                                        write_atomically)
 from flarepp.data.loaders import ELASTICITY_POINTS as N_POINTS
 from flarepp.data.loaders import ELASTICITY_SIGMA_FILE as SIGMA_FILE
 from flarepp.data.loaders import ELASTICITY_XY_FILE as XY_FILE
@@ -228,9 +229,7 @@ def make_elasticity_mesh(out: str | Path, *, n_train: int = 64, n_test: int = 16
     if resolution is not None:
         raise ValueError(f"elasticity-mesh writes each case's whole mesh (about "
                          f"{MESH_VERTICES} vertices); resolution {resolution} does not apply")
-    if n_train < 1 or n_test < 1 or seed < 0:
-        raise ValueError(f"elasticity-mesh needs train, test >= 1 and seed >= 0, got "
-                         f"train={n_train}, test={n_test}, seed={seed}")
+    check_counts("elasticity-mesh", n_train, n_test, seed)
     _require_mesh_packages()
     out = Path(out)
     check_disk_room(out, n_train + n_test, 40 * MESH_VERTICES, "elasticity-mesh")  # ~48 B each
@@ -256,11 +255,7 @@ def make_elasticity(out: str | Path, *, n_train: int = 1000, n_test: int = 200,
     if resolution not in (None, N_POINTS):
         raise ValueError(f"elasticity has a fixed {N_POINTS} points per sample; "
                          f"resolution {resolution} does not apply")
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"elasticity needs at least one train and one test sample, got "
-                         f"train={n_train}, test={n_test}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
+    check_counts("elasticity", n_train, n_test, seed)
     _require_mesh_packages()
     out = Path(out)
     paths = [out / SIGMA_FILE, out / XY_FILE]

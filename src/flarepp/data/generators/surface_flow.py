@@ -74,7 +74,8 @@ from tqdm.auto import tqdm
 
 from flarepp.data.drivaerml import (PRESSURE_ARRAY, WALL_SHEAR_ARRAY, SurfacePolygons,
                                     polygon_centres_and_normals, require_vtk, write_vtp)
-from flarepp.data.generators._io import check_disk_room, refuse_existing, write_atomically
+from flarepp.data.generators._io import (check_counts, check_disk_room, refuse_existing,
+                                        write_atomically)
 
 FREE_STREAM_SPEED = 40.0          # m/s, a road-car speed
 KINEMATIC_VISCOSITY = 1.5e-5      # m^2/s, air at about 20 C
@@ -562,11 +563,7 @@ def make_surface_flow(out: str | Path, *, n_train: int = 16, n_test: int = 4,
     n_cells = 5000 if resolution is None else int(resolution)
     if n_cells < 64:
         raise ValueError(f"surface-flow needs at least 64 cells per surface, got {n_cells}")
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"surface-flow needs at least one train and one test run, got "
-                         f"train={n_train}, test={n_test}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
+    check_counts("surface-flow", n_train, n_test, seed)
     require_vtk()
     out = Path(out)
     check_disk_room(out, n_train + n_test, VTP_CELL_BYTES * n_cells, "surface-flow")
