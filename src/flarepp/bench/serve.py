@@ -8,9 +8,15 @@ Shape letters: N points, G coordinate and F feature channels, O outputs.
   client count, each client (a thread with its own ``tritonclient``) sends meshes of
   ``points`` points one after another, drawn from a pool of distinct meshes whose answers
   this process computed beforehand with ``flarepp.load(run).predict``; every answer is
-  checked against its mesh's (1e-5 of the fields' scale). Per phase: requests answered,
-  throughput (requests/s over the phase's wall time), latency p50 and p99, the server's
-  peak resident memory so far (``VmHWM``), errors (no answer) and wrong answers.
+  checked against its mesh's (1e-5 of the fields' scale). Each server first answers a few
+  requests that are not counted (its first forward, the clients' first connection). Per
+  phase: requests answered, throughput (requests/s over the phase's wall time), latency
+  p50 and p99, the server's peak resident memory so far (``VmHWM``), errors (no answer)
+  and wrong answers; and where a request's time goes (:func:`request_costs`): the
+  server's CPU per request, that of its event loop alone (the protocol's decoding and
+  encoding, KServe's and flarepp's per-request work), the forwards' seconds per request
+  and requests per forward (the server's own metrics), and the clients' CPU per request
+  (this process: they share the machine with the server).
 * **Large** (:func:`large_request`): one mesh of ``large_points`` points over gRPC to the
   batched server, streamed by it in chunks, compared with what ``flarepp infer --chunk-size``
   writes for the same points (max difference over the fields' scale), with the server's
@@ -27,6 +33,7 @@ latents) trained for one epoch; the accuracy does not matter to the load.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -46,6 +53,7 @@ from flarepp.train import Trainer, get_preset
 
 TOKEN = "flarepp-bench-serve"
 BODY_MB = 64          # the servers' body budget (a 1M-point mesh of 6 channels is 24 MiB)
+WARM = 4              # requests each server answers before the phases (not counted)
 CHECK = 1e-5          # an answer is right within this share of the fields' scale
 
 
@@ -84,6 +92,10 @@ class Pool:
     x: list[np.ndarray]
     y: list[np.ndarray]
     coordinates: int
+    requests: list[dict[str, np.ndarray]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:          # built once: the clients only send them
+        self.requests = [tensors(x, self.coordinates) for x in self.x]
 
     def check(self, k: int, got: np.ndarray) -> bool:
         want = self.y[k]
@@ -91,7 +103,8 @@ class Pool:
             np.abs(got - want).max() <= CHECK * max(1.0, float(np.abs(want).max())))
 
     def inputs(self, k: int) -> dict[str, np.ndarray]:
-        return tensors(self.x[k], self.coordinates)
+        """Mesh ``k``'s request tensors (shared: not to be written to)."""
+        return self.requests[k]
 
 
 def tensors(x: np.ndarray, coordinates: int) -> dict[str, np.ndarray]:
@@ -155,19 +168,61 @@ def load_phase(server: ServerProcess, model: str, pool: Pool, clients: int, requ
                 tally.wrong += not pool.check(mesh, got)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    before = _counters(server)
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
+    costs = request_costs(before, _counters(server), len(tally.latencies))
     lat = np.asarray(tally.latencies) if tally.latencies else np.full(1, np.nan)
-    return {"clients": clients, "answered": len(tally.latencies), "seconds": wall,
+    return {"clients": clients, "answered": len(tally.latencies), "seconds": wall, **costs,
             "throughput": len(tally.latencies) / wall,
             "p50_ms": 1e3 * float(np.percentile(lat, 50)),
             "p99_ms": 1e3 * float(np.percentile(lat, 99)), "errors": len(tally.errors),
             "error_examples": tally.errors[:3], "wrong": tally.wrong,
             "peak_mib": server.peak_memory_bytes() / 2 ** 20}
+
+
+def _counters(server: ServerProcess) -> dict[str, float]:
+    """The running totals :func:`request_costs` takes differences of."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total, loop = server.cpu_seconds()
+    return {"server": total, "loop": loop, "client": usage.ru_utime + usage.ru_stime,
+            **forward_totals(server)}
+
+
+def forward_totals(server: ServerProcess) -> dict[str, float]:
+    """The server's totals so far, from its Prometheus metrics (``/metrics``), summed over
+    its models: ``forwards``, ``batched`` (requests in them) and ``forward_seconds``."""
+    import urllib.request
+    request = urllib.request.Request(f"http://{server.rest}/metrics",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        text = answer.read().decode()
+    names = {"flarepp_batch_requests_count": "forwards", "flarepp_batch_requests_sum":
+             "batched", "flarepp_forward_seconds_sum": "forward_seconds"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(None, 1)[1])
+    return out
+
+
+def request_costs(before: dict[str, float], after: dict[str, float], answered: int
+                  ) -> dict[str, float]:
+    """Where a phase's requests spent their time, per answered request (milliseconds):
+    ``server_cpu_ms`` (all the server's threads), ``loop_cpu_ms`` (its event loop alone),
+    ``forward_ms`` (wall time in the model's forwards), ``client_cpu_ms`` (this process);
+    and ``per_forward``, the requests each forward predicted."""
+    per = 1e3 / max(answered, 1)
+    delta = {k: after[k] - before[k] for k in before}
+    return {"server_cpu_ms": per * delta["server"], "loop_cpu_ms": per * delta["loop"],
+            "forward_ms": per * delta["forward_seconds"],
+            "client_cpu_ms": per * delta["client"],
+            "per_forward": delta["batched"] / max(delta["forwards"], 1.0)}
 
 
 def large_request(server: ServerProcess, model: str, run: str | Path, pool: Pool,
@@ -248,6 +303,8 @@ def run_serve_bench(config: ServeBenchConfig, progress: Any = print) -> dict[str
         try:
             for mode, batch in (("batched", config.max_batch), ("unbatched", 1)):
                 servers[mode] = _serve(run, work, config, batch)
+            for server in servers.values():         # warm: not counted
+                load_phase(server, "bench", pool, 1, WARM, config.seconds, config.protocol)
             for clients in config.clients:
                 for mode, server in servers.items():
                     row = {"mode": mode, **load_phase(server, "bench", pool, clients,
@@ -279,6 +336,16 @@ def _serve(run: str | Path, work: Path, config: ServeBenchConfig, batch: int
         log=work / f"server-{batch}.log", cwd=work)
 
 
+def batching_ceiling(result: dict[str, Any]) -> tuple[int, float]:
+    """``(clients, ratio)`` at the most clients: the unbatched server's forward seconds per
+    request over the batched one's, the most batching can raise the throughput while one
+    thread's forwards bound it (requests are not predicted faster than their forwards)."""
+    rows = {(r["mode"], r["clients"]): r for r in result["load"]}
+    most = max(r["clients"] for r in result["load"])
+    batched = rows[("batched", most)]["forward_ms"]
+    return most, rows[("unbatched", most)]["forward_ms"] / batched if batched else float("nan")
+
+
 def goals(result: dict[str, Any]) -> list[tuple[str, float, bool]]:
     """The issue's goals: ``(what, measured, met)``."""
     rows = {(r["mode"], r["clients"]): r for r in result["load"]}
@@ -295,5 +362,6 @@ def goals(result: dict[str, Any]) -> list[tuple[str, float, bool]]:
             ("every bad request refused, the server alive after each", float(alive), alive)]
 
 
-__all__ = ["Pool", "ServeBenchConfig", "bad_requests", "goals", "large_request", "load_phase",
-           "make_pool", "make_run", "run_serve_bench", "tensors"]
+__all__ = ["Pool", "ServeBenchConfig", "bad_requests", "batching_ceiling", "forward_totals",
+           "goals", "large_request", "load_phase", "make_pool", "make_run", "request_costs",
+           "run_serve_bench", "tensors"]

@@ -13,7 +13,8 @@ from flarepp.experiments.reports.common import fmt, markdown
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from flarepp.bench.serve import ServeBenchConfig, goals, run_serve_bench  # (start-up time)
+    from flarepp.bench.serve import (ServeBenchConfig, batching_ceiling,  # (start-up time)
+                                     goals, run_serve_bench)
     if 1 not in args.clients:
         raise CLIError("--clients must include 1 (the latency goal compares with one client)")
     config = ServeBenchConfig(run=args.run, clients=tuple(args.clients), points=args.points,
@@ -31,6 +32,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
         [[r["mode"], r["clients"], r["answered"], fmt(r["throughput"], ".1f"),
           fmt(r["p50_ms"], ".1f"), fmt(r["p99_ms"], ".1f"), fmt(r["peak_mib"], ".0f"),
           r["errors"], r["wrong"]] for r in result["load"]])))
+    print("\nwhere a request's time goes (per answered request; the forwards run on one "
+          "thread, so throughput <= 1000 / forward ms):")
+    print("\n".join(markdown(
+        ["server", "clients", "server CPU ms", "of it event loop ms", "forward ms",
+         "requests per forward", "client CPU ms"],
+        [[r["mode"], r["clients"], fmt(r["server_cpu_ms"], ".1f"), fmt(r["loop_cpu_ms"], ".1f"),
+          fmt(r["forward_ms"], ".1f"), fmt(r["per_forward"], ".1f"),
+          fmt(r["client_cpu_ms"], ".1f")] for r in result["load"]])))
+    most, limit = batching_ceiling(result)
+    print(f"batching's ceiling at {most} clients: unbatched / batched forward ms per request "
+          f"= {limit:.2f} (the most batching can raise throughput while the forwards bound it)")
     large = result["large"]
     print(f"\n{large['points']} points over gRPC, streamed in chunks of {large['chunk_size']}: "
           f"{large['seconds']:.1f} s, max |served - flarepp infer| / scale "

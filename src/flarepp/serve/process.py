@@ -49,6 +49,23 @@ class ServerProcess:
         found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
         return int(found.group(1)) * 1024 if found else 0
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """``(all threads, main thread)``: the child's CPU seconds (user + system) so far,
+        Linux; its main thread runs the event loop (the protocols' decoding and encoding,
+        KServe's and flarepp's per-request work), the forwards run on another. ``(0, 0)``
+        where unknown."""
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def seconds(path: str) -> float:
+            fields = Path(path).read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / ticks    # utime, stime
+
+        pid = self.process.pid
+        try:
+            return seconds(f"/proc/{pid}/stat"), seconds(f"/proc/{pid}/task/{pid}/stat")
+        except (OSError, IndexError, ValueError):
+            return 0.0, 0.0
+
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (the server finishes what it answers, then exits), SIGKILL past
         ``timeout``; the exit status."""
