@@ -668,6 +668,11 @@ def test_the_load_benchmark_runs_and_checks_every_answer(runs, tmp_path):
             for r in result["load"]] == [
         ("batched", 1, 12, 0, 0), ("unbatched", 1, 12, 0, 0),
         ("batched", 3, 12, 0, 0), ("unbatched", 3, 12, 0, 0)]
+    for row in result["load"]:            # where the time went, from the servers' counters
+        assert 0 < row["loop_cpu_ms"] <= row["server_cpu_ms"] and row["forward_ms"] > 0, row
+        assert row["client_cpu_ms"] > 0, row
+        assert row["per_forward"] == 1.0 if row["mode"] == "unbatched" else \
+            1.0 <= row["per_forward"] <= row["clients"], row
     assert result["large"]["deviation"] <= 1e-6
     assert [b["request"] for b in result["bad"]] == [
         "wrong shape", "NaN", "unknown model", "wrong token", "body over budget",
@@ -678,6 +683,25 @@ def test_the_load_benchmark_runs_and_checks_every_answer(runs, tmp_path):
     assert met["requests lost or answered wrongly == 0"]
     assert met["every bad request refused, the server alive after each"]
     assert list(tmp_path.iterdir()) == []                    # its work directory is gone
+
+
+def test_request_costs_are_per_answered_request_and_the_ceiling_compares_forwards():
+    """The load benchmark's breakdown: counters' differences over the answered requests, in
+    milliseconds, and requests per forward; batching's ceiling is the unbatched server's
+    forward time per request over the batched one's at the most clients."""
+    from flarepp.bench.serve import batching_ceiling, request_costs
+    before = {"server": 1.0, "loop": 0.5, "client": 2.0, "forwards": 3.0, "batched": 3.0,
+              "forward_seconds": 0.1}
+    after = {"server": 3.0, "loop": 0.7, "client": 2.4, "forwards": 8.0, "batched": 43.0,
+             "forward_seconds": 1.7}
+    costs = request_costs(before, after, 40)
+    assert costs == pytest.approx({"server_cpu_ms": 50.0, "loop_cpu_ms": 5.0,
+                                   "forward_ms": 40.0, "client_cpu_ms": 10.0,
+                                   "per_forward": 8.0})
+    rows = [{"mode": m, "clients": c, "forward_ms": f} for m, c, f in (
+        ("batched", 1, 15.0), ("unbatched", 1, 15.0), ("batched", 16, 10.0),
+        ("unbatched", 16, 16.0))]
+    assert batching_ceiling({"load": rows}) == (16, pytest.approx(1.6))
 
 
 @pytest.mark.slow
