@@ -685,10 +685,10 @@ def test_the_load_benchmark_runs_and_checks_every_answer(runs, tmp_path):
     assert list(tmp_path.iterdir()) == []                    # its work directory is gone
 
 
-def test_request_costs_are_per_answered_request_and_the_ceiling_compares_forwards():
+def test_request_costs_are_per_answered_request_and_the_ceiling_compares_cpu():
     """The load benchmark's breakdown: counters' differences over the answered requests, in
-    milliseconds, and requests per forward; batching's ceiling is the unbatched server's
-    forward time per request over the batched one's at the most clients."""
+    milliseconds, and requests per forward; batching's ceiling is the CPU a request costs
+    (server and client) unbatched over batched at the most clients."""
     from flarepp.bench.serve import batching_ceiling, request_costs
     before = {"server": 1.0, "loop": 0.5, "client": 2.0, "forwards": 3.0, "batched": 3.0,
               "forward_seconds": 0.1}
@@ -698,10 +698,10 @@ def test_request_costs_are_per_answered_request_and_the_ceiling_compares_forward
     assert costs == pytest.approx({"server_cpu_ms": 50.0, "loop_cpu_ms": 5.0,
                                    "forward_ms": 40.0, "client_cpu_ms": 10.0,
                                    "per_forward": 8.0})
-    rows = [{"mode": m, "clients": c, "forward_ms": f} for m, c, f in (
-        ("batched", 1, 15.0), ("unbatched", 1, 15.0), ("batched", 16, 10.0),
-        ("unbatched", 16, 16.0))]
-    assert batching_ceiling({"load": rows}) == (16, pytest.approx(1.6))
+    rows = [{"mode": m, "clients": c, "server_cpu_ms": s, "client_cpu_ms": 1.0}
+            for m, c, s in (("batched", 1, 15.0), ("unbatched", 1, 15.0),
+                            ("batched", 16, 9.0), ("unbatched", 16, 17.0))]
+    assert batching_ceiling({"load": rows}) == (16, pytest.approx(1.8))
 
 
 @pytest.mark.slow

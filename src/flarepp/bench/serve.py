@@ -337,13 +337,16 @@ def _serve(run: str | Path, work: Path, config: ServeBenchConfig, batch: int
 
 
 def batching_ceiling(result: dict[str, Any]) -> tuple[int, float]:
-    """``(clients, ratio)`` at the most clients: the unbatched server's forward seconds per
-    request over the batched one's, the most batching can raise the throughput while one
-    thread's forwards bound it (requests are not predicted faster than their forwards)."""
+    """``(clients, ratio)`` at the most clients: the CPU a request costs the machine (the
+    server's and its client's) unbatched over batched. Where the CPU is the bottleneck (the
+    server, its clients and whatever else runs there share the cores), batching cannot
+    raise the throughput by more than this; unlike the latencies, it hardly moves with the
+    machine's other load."""
     rows = {(r["mode"], r["clients"]): r for r in result["load"]}
     most = max(r["clients"] for r in result["load"])
-    batched = rows[("batched", most)]["forward_ms"]
-    return most, rows[("unbatched", most)]["forward_ms"] / batched if batched else float("nan")
+    cost = {mode: rows[(mode, most)]["server_cpu_ms"] + rows[(mode, most)]["client_cpu_ms"]
+            for mode in ("batched", "unbatched")}
+    return most, cost["unbatched"] / cost["batched"] if cost["batched"] else float("nan")
 
 
 def goals(result: dict[str, Any]) -> list[tuple[str, float, bool]]:

@@ -32,8 +32,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         [[r["mode"], r["clients"], r["answered"], fmt(r["throughput"], ".1f"),
           fmt(r["p50_ms"], ".1f"), fmt(r["p99_ms"], ".1f"), fmt(r["peak_mib"], ".0f"),
           r["errors"], r["wrong"]] for r in result["load"]])))
-    print("\nwhere a request's time goes (per answered request; the forwards run on one "
-          "thread, so throughput <= 1000 / forward ms):")
+    print("\nwhere a request's time goes (per answered request; forward ms: wall time in the "
+          "model's forwards, which run on one thread):")
     print("\n".join(markdown(
         ["server", "clients", "server CPU ms", "of it event loop ms", "forward ms",
          "requests per forward", "client CPU ms"],
@@ -41,8 +41,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
           fmt(r["forward_ms"], ".1f"), fmt(r["per_forward"], ".1f"),
           fmt(r["client_cpu_ms"], ".1f")] for r in result["load"]])))
     most, limit = batching_ceiling(result)
-    print(f"batching's ceiling at {most} clients: unbatched / batched forward ms per request "
-          f"= {limit:.2f} (the most batching can raise throughput while the forwards bound it)")
+    print(f"batching's ceiling at {most} clients: (server + client) CPU per request, unbatched "
+          f"/ batched = {limit:.2f} (the most batching can raise throughput where the CPU "
+          "bounds it)")
     large = result["large"]
     print(f"\n{large['points']} points over gRPC, streamed in chunks of {large['chunk_size']}: "
           f"{large['seconds']:.1f} s, max |served - flarepp infer| / scale "
