@@ -426,10 +426,17 @@ def _to(x: torch.Tensor | None, sl: slice, device: torch.device) -> torch.Tensor
     return None if x is None else x[:, sl].to(device)
 
 
-def streaming_refusal(model: nn.Module) -> str | None:
+def streaming_refusal(model: nn.Module, *, conditioned: bool = False) -> str | None:
     """Why :func:`stream_forward` cannot stream ``model`` (a mixer or architecture that is
-    not token-shardable, or no ``streaming_plan()``), as its error says it; None when it
-    can."""
+    not token-shardable, or no ``streaming_plan()``; ``conditioned``: with conditioning
+    tokens, a model whose own ``streaming_refusal()`` gives a reason, or one that takes
+    none), as its error says it; None when it can."""
+    own = getattr(model, "streaming_refusal", None)
+    if own is not None and own() is not None:
+        return f"stream_forward: {own()}"
+    if conditioned and own is None:
+        return (f"stream_forward: {type(model).__name__} takes no conditioning tokens, so it "
+                "cannot be streamed with them")
     try:
         check_token_shardable(model, "stream_forward")
     except ValueError as err:
@@ -446,8 +453,12 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
                    *, chunk_size: int, device: torch.device | str | None = None,
                    group: dist.ProcessGroup | None = None, hidden_on: str = "auto",
                    memmap_dir: str | os.PathLike | None = None,
-                   memory_budget: int | None = None, progress: bool = False) -> torch.Tensor:
-    """``model(x, mask)`` computed exactly, block by block, in chunks of ``chunk_size`` tokens.
+                   memory_budget: int | None = None, progress: bool = False,
+                   conditioning: torch.Tensor | None = None) -> torch.Tensor:
+    """``model(x, mask)`` computed exactly, block by block, in chunks of ``chunk_size`` tokens
+    (``model(x, mask, conditioning=...)`` with ``conditioning`` tokens ``[B, K, F]``, for a
+    model whose ``streaming_plan(conditioning)`` takes them: a conditioned model of the
+    ``concat`` or ``adaln`` scheme, :mod:`flarepp.models.conditioned`).
 
     ``x`` and ``mask`` may stay on the host; each chunk is moved to ``device`` (default:
     the model's) and the outputs are written back to ``x``'s device. With ``group``, ``x``
@@ -464,8 +475,9 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
     Raises ``ValueError`` for a model with a mixer that cannot stream or without a
     ``streaming_plan()`` (see :class:`~flarepp.models.backbone.StreamingPlan`).
     """
-    _check_streaming(model, chunk_size, hidden_on)
-    plan = model.streaming_plan()
+    _check_streaming(model, chunk_size, hidden_on, conditioned=conditioning is not None)
+    plan = (model.streaming_plan() if conditioning is None
+            else model.streaming_plan(conditioning=conditioning))
     device = next(model.parameters()).device if device is None else torch.device(device)
     backend = StreamingBackend(len(plan.blocks))
     previous = install_backend(model, backend)
@@ -485,8 +497,9 @@ def stream_forward(model: nn.Module, x_BNI: torch.Tensor, mask_BN: torch.Tensor 
         restore_backends(previous)
 
 
-def _check_streaming(model: nn.Module, chunk_size: int, hidden_on: str) -> None:
-    refusal = streaming_refusal(model)
+def _check_streaming(model: nn.Module, chunk_size: int, hidden_on: str, *,
+                     conditioned: bool = False) -> None:
+    refusal = streaming_refusal(model, conditioned=conditioned)
     if refusal is not None:
         raise ValueError(refusal)
     if chunk_size <= 0:

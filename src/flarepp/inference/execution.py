@@ -27,9 +27,17 @@ from torch import nn
 from flarepp.device import HOST, amp_dtype, autocast
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.distributed.parallel import gather_tokens, shard_slice
-from flarepp.distributed.streaming import HIDDEN_ON, stream_forward
+from flarepp.distributed.streaming import HIDDEN_ON, stream_forward, streaming_refusal
 from flarepp.tasks.base import Batch
 from flarepp.threads import ThreadTuner
+
+
+STREAM_ABOVE = 65536
+"""Points of a sample evaluated or predicted whole when no chunk is asked for: a larger one
+streams in chunks of this many, exactly (``Execution(stream_above=...)``; the trainer's and
+``flarepp eval``'s evaluation, ``flarepp infer``, ``--write-mesh`` and ``flarepp.load``).
+64K points of a 128-wide model hold 32 MiB per hidden-state copy: a step's working set
+small beside any mesh worth streaming, and a mesh below it is no slower whole."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,9 @@ class Execution:
     ``bf16``, ``fp16``); token-sharded over the context-parallel group of ``plan`` (every
     rank runs its contiguous shard of each sample's tokens and gets all of them back; the
     model must be wrapped by :func:`~flarepp.distributed.context_parallel` on every rank);
-    streamed ``chunk_size`` tokens at a time (exact), a streamed sample's hidden state
+    streamed ``chunk_size`` tokens at a time (exact), or, with ``chunk_size`` unset, only a
+    sample of more than ``stream_above`` tokens, in chunks of that many (a model that cannot
+    stream then runs whole: :func:`predict_tokens`); a streamed sample's hidden state
     placed by ``hidden_on`` (``auto``, ``device``, ``host``, ``memmap``, in ``memmap_dir``)
     with a ``progress`` bar (:func:`~flarepp.distributed.stream_forward`); ``threads``
     times each forward to choose the CPU threads (:mod:`flarepp.threads`)."""
@@ -49,6 +59,7 @@ class Execution:
     precision: str = "fp32"
     plan: ParallelPlan = SINGLE
     chunk_size: int | None = None
+    stream_above: int | None = None
     hidden_on: str = "auto"
     memmap_dir: str | None = None
     progress: bool = False
@@ -57,9 +68,10 @@ class Execution:
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", torch.device(self.device))
         amp_dtype(self.precision)  # refuses an unknown precision, naming the known ones
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of tokens, got "
-                             f"{self.chunk_size}")
+        for name in ("chunk_size", "stream_above"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number of tokens, got {value}")
         if self.hidden_on not in HIDDEN_ON:
             raise ValueError(f"hidden_on must be one of {', '.join(HIDDEN_ON)}, got "
                              f"{self.hidden_on!r}")
@@ -81,8 +93,9 @@ def predict_tokens(module: nn.Module, batch: Batch, execution: Execution) -> tor
     ``batch`` holds ``x [B, N, I]``, optionally ``mask [B, N]`` (True at real points) and
     ``conditioning [B, K, C]``, every token of each sample, on the host or the device.
     Plain, they move to the device and run as ``module(x, mask=, conditioning=)``;
-    streamed, the tokens pass through the device in chunks whose encoder partials merge by
-    the log-sum-exp rule (points alone: a model with conditioning tokens runs unchunked);
+    streamed (:func:`chunk_for`), the tokens pass through the device in chunks whose
+    encoder partials merge by the log-sum-exp rule (a model with conditioning tokens
+    streams where its scheme is exact, :func:`~flarepp.distributed.streaming_refusal`);
     token-sharded, each rank runs its contiguous shard and every rank returns the gathered
     output. Every way computes ``module(x, mask)``.
     """
@@ -102,16 +115,30 @@ def _forward(module: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
              conditioning: torch.Tensor | None, execution: Execution) -> torch.Tensor:
     """This rank's tokens through ``module``, plain or streamed."""
     device = execution.device
-    if execution.chunk_size is not None:
-        if conditioning is not None:
-            raise ValueError("streaming (chunk_size) runs a model of points alone; a model "
-                             "with conditioning tokens runs unchunked (leave chunk_size out)")
-        return stream_forward(module, x, mask, chunk_size=execution.chunk_size,
-                              device=device, group=execution.plan.cp_group,
-                              hidden_on=execution.hidden_on, memmap_dir=execution.memmap_dir,
-                              progress=execution.progress)
+    chunk = chunk_for(module, x.shape[1], conditioning, execution)
+    if chunk is not None:
+        extra = {} if conditioning is None else {"conditioning": conditioning.to(device)}
+        return stream_forward(module, x, mask, chunk_size=chunk, device=device,
+                              group=execution.plan.cp_group, hidden_on=execution.hidden_on,
+                              memmap_dir=execution.memmap_dir, progress=execution.progress,
+                              **extra)
     extra = {} if conditioning is None else {"conditioning": conditioning.to(device)}
     return module(x.to(device), mask=None if mask is None else mask.to(device), **extra)
 
 
-__all__ = ["Execution", "predict_tokens"]
+def chunk_for(module: nn.Module, tokens: int, conditioning: torch.Tensor | None,
+              execution: Execution) -> int | None:
+    """The chunk ``predict_tokens`` streams ``tokens`` tokens of ``module`` in, or None for a
+    plain forward: ``execution.chunk_size`` when set; else ``stream_above`` for a sample
+    larger than it whose model can stream (:func:`~flarepp.distributed.streaming_refusal`,
+    with its ``conditioning`` tokens where it has them)."""
+    if execution.chunk_size is not None:
+        return execution.chunk_size
+    above = execution.stream_above
+    if above is None or tokens <= above or streaming_refusal(
+            module, conditioned=conditioning is not None) is not None:
+        return None
+    return above
+
+
+__all__ = ["Execution", "chunk_for", "predict_tokens"]

@@ -21,6 +21,13 @@ what the mesh does not: time, parameters, summaries of earlier states (talk, Aim
   same around the FFN. One conditioning vector per sample modulates every token alike
   (the talk's remark: it cannot attend to a sequence of conditioning tokens).
 
+Streaming and token sharding (paper Appendix B): ``concat`` and ``adaln`` act on each point
+alone outside the mixers' encodes (``vec(c)`` is the same for every point of a sample), so
+the model streams in chunks and shards its tokens exactly (:meth:`ConditionedSurrogate.
+streaming_plan`); ``cross`` does not: every encode gathers the conditioning tokens beside
+the mesh's, and a chunk's or shard's partial encode would count them once per part
+(:meth:`ConditionedSurrogate.streaming_refusal`).
+
 Masks: ``mask [B, N]`` for points, ``conditioning_mask [B, K]`` for conditioning tokens
 (True = real): masked conditioning tokens are left out of the Cross-FLARE encodes and
 zeroed in ``vec(c)`` for the other two schemes.
@@ -29,6 +36,7 @@ zeroed in ``vec(c)`` for the other two schemes.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +46,8 @@ from torch import nn
 from flarepp.mixers import MIXERS, build_mixer
 from flarepp.mixers.base import check_tokens
 from flarepp.models.registry import MODELS
-from flarepp.models.backbone import (BackboneConfig, Block, ResidualMLP, build_input_mlp,
-                                     build_output_mlp, init_backbone_weights)
+from flarepp.models.backbone import (BackboneConfig, Block, ResidualMLP, StreamingPlan,
+                                     build_input_mlp, build_output_mlp, init_backbone_weights)
 from flarepp.ops import make_norm
 from flarepp.registry import Registry
 
@@ -210,6 +218,9 @@ class ConditionedSurrogate(nn.Module):
 
     config_cls = ConditionedConfig
     input_kind = "conditioned"  # takes conditioning tokens: not the [B, N, in] contract
+    # pointwise outside the mixers' encodes for concat and adaln; cross's mixers
+    # (flare-cross, flarepp-cross) declare themselves not shardable (module docstring)
+    token_shardable = True
 
     def __init__(self, config: ConditionedConfig) -> None:
         super().__init__()
@@ -222,9 +233,9 @@ class ConditionedSurrogate(nn.Module):
         self.out_proj = build_output_mlp(c)
         init_backbone_weights(self)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
-                conditioning: torch.Tensor | None = None,
-                conditioning_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _check(self, x: torch.Tensor, mask: torch.Tensor | None,
+               conditioning: torch.Tensor | None,
+               conditioning_mask: torch.Tensor | None) -> None:
         c = self.config
         check_tokens(x, mask, c.in_dim)
         expected = [x.shape[0], c.cond_tokens, c.cond_dim]
@@ -238,15 +249,62 @@ class ConditionedSurrogate(nn.Module):
         if conditioning_mask is not None and conditioning_mask.shape != conditioning.shape[:2]:
             raise ValueError(f"conditioning_mask must have shape {expected[:2]}, got "
                              f"{list(conditioning_mask.shape)}")
+
+    def _embed(self, x: torch.Tensor, mask: torch.Tensor | None, conditioning: torch.Tensor,
+               conditioning_mask: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        """``(h_0 [B, N, C], the blocks' context)``, padding zeroed first."""
+        self._check(x, mask, conditioning, conditioning_mask)
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         inputs, context = self.conditioner.prepare(x, conditioning.to(x.dtype),
                                                    conditioning_mask)
-        h = self.in_proj(inputs)
-        for block in self.blocks:
-            h = block(h, mask, context)
+        return self.in_proj(inputs), context
+
+    def _head(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         y = self.out_proj(self.out_norm(h))
         return y if mask is None else y.masked_fill(~mask[..., None], 0.0)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *,
+                conditioning: torch.Tensor | None = None,
+                conditioning_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h, context = self._embed(x, mask, conditioning, conditioning_mask)
+        for block in self.blocks:
+            h = block(h, mask, context)
+        return self._head(h, mask)
+
+    def streaming_refusal(self) -> str | None:
+        """Why this model cannot stream or shard its tokens exactly (``cross``), or None."""
+        if self.config.conditioning != "cross":
+            return None
+        return ("conditioning='cross' gathers the conditioning tokens in every encode beside "
+                "the mesh's, and the partial encode of each chunk or token shard would count "
+                "them once per part, so the model runs whole (the concat and adaln schemes "
+                "stream exactly)")
+
+    def streaming_plan(self, conditioning: torch.Tensor | None = None,
+                       conditioning_mask: torch.Tensor | None = None) -> StreamingPlan:
+        """This forward on the samples of ``conditioning [B, K, F]`` as a
+        :class:`~flarepp.models.backbone.StreamingPlan`: ``embed`` prepares each chunk's
+        points with the conditions (``concat``: ``[x_n, vec(c)]``), every block gets the
+        same context (``adaln``: ``MLP(vec(c))``, computed once); refused for ``cross``."""
+        refusal = self.streaming_refusal()
+        if refusal is not None:
+            raise ValueError(f"conditioned: {refusal}")
+        if conditioning is None:
+            raise ValueError("conditioned: streaming this model needs its conditioning "
+                             "tokens [B, K, F] (conditioning=...)")
+        no_points = conditioning.new_zeros((conditioning.shape[0], 0, self.config.in_dim))
+        context = self.conditioner.prepare(no_points, conditioning, conditioning_mask)[1]
+
+        def embed(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            return self._embed(x, mask, conditioning, conditioning_mask)[0]
+
+        def block(layer: nn.Module, h: torch.Tensor, mask: torch.Tensor | None,
+                  carry: Any) -> tuple[torch.Tensor, Any]:
+            return layer(h, mask, context), carry
+
+        return StreamingPlan(embed=embed, head=self._head,
+                             blocks=[functools.partial(block, b) for b in self.blocks])
 
 
 __all__ = ["CONDITIONING", "ConditionedConfig", "ConditionedSurrogate", "Conditioner"]

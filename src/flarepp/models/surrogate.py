@@ -117,15 +117,23 @@ class Surrogate(UnitMaps):
                  else {"conditioning": self.normalise_conditions(conditioning)})
         return self.denormalise(self.model(self.normalise(x, mask), mask=mask, **extra), mask)
 
-    def streaming_plan(self) -> StreamingPlan:
+    def streaming_refusal(self) -> str | None:
+        """The model's own reason not to stream (:func:`~flarepp.distributed.
+        streaming_refusal`), None where it gives none."""
+        own = getattr(self.model, "streaming_refusal", None)
+        return None if own is None else own()
+
+    def streaming_plan(self, conditioning: torch.Tensor | None = None) -> StreamingPlan:
         """The model's :class:`~flarepp.models.backbone.StreamingPlan` with the maps around
-        it: normalise before its ``embed``, de-normalise after its ``head``. Both maps act
-        on each token alone, so streaming the surrogate stays exact."""
+        it: normalise before its ``embed``, de-normalise after its ``head``; ``conditioning``
+        tokens (physical units) normalised for a model that takes them. Both maps act on
+        each token alone, so streaming the surrogate stays exact."""
         plan_of = getattr(self.model, "streaming_plan", None)
         if plan_of is None:
             raise ValueError(f"{type(self.model).__name__} declares no streaming_plan(), so "
                              "it cannot be streamed block by block; run it unchunked")
-        inner = plan_of()
+        inner = plan_of() if conditioning is None else plan_of(
+            conditioning=self.normalise_conditions(conditioning))
         return dataclasses.replace(
             inner, embed=lambda x, mask: inner.embed(self.normalise(x, mask), mask),
             head=lambda h, mask: self.denormalise(inner.head(h, mask), mask))
