@@ -142,16 +142,45 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 2) -> 
     return atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
+class RowArray:
+    """An array written into an ``.npz`` one row (index along its first axis) at a time:
+    ``shape``, ``dtype`` and ``row(i)``, the ``i``-th row ``[*shape[1:]]``; what
+    :func:`atomic_write_npz` writes of a split's padded meshes without holding them."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, row: Callable[[int], Any]) -> None:
+        self.shape, self.dtype, self.row = tuple(int(n) for n in shape), dtype, row
+
+
 def atomic_write_npz(path: str | Path, arrays: Mapping[str, Any], *,
                      compressed: bool = False) -> Path:
-    """``arrays`` as one ``.npz`` file (``numpy.savez``, or ``savez_compressed``), written
-    atomically: an interrupted write leaves the previous file, never half of a new one."""
+    """``arrays`` as one ``.npz`` file (``numpy.savez``, or ``savez_compressed``: the same
+    archive members), written atomically: an interrupted write leaves the previous file,
+    never half of a new one. A :class:`RowArray` value is written row by row, so the file
+    may hold arrays larger than memory."""
+    import zipfile
     import numpy as np
-    save = np.savez_compressed if compressed else np.savez
+    from numpy.lib import format as npy
+
+    def member(archive: zipfile.ZipFile, key: str, value: Any) -> None:
+        with archive.open(f"{key}.npy", "w", force_zip64=True) as f:
+            if not isinstance(value, RowArray):
+                npy.write_array(f, np.asanyarray(value))
+                return
+            dtype = np.dtype(value.dtype)
+            npy.write_array_header_1_0(f, {"descr": npy.dtype_to_descr(dtype),
+                                           "fortran_order": False, "shape": value.shape})
+            for i in range(value.shape[0]):
+                row = np.ascontiguousarray(value.row(i), dtype)
+                if row.shape != value.shape[1:]:
+                    raise ValueError(f"{key}: row {i} has shape {list(row.shape)}, the array "
+                                     f"{list(value.shape[1:])} per row")
+                f.write(row.tobytes())
 
     def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:   # a file object: numpy would append ".npz" to a name
-            save(f, **arrays)
+        how = zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED
+        with zipfile.ZipFile(tmp, "w", compression=how, allowZip64=True) as archive:
+            for key, value in arrays.items():
+                member(archive, key, value)
     return atomic_write(path, write)
 
 
@@ -302,7 +331,7 @@ def confined(root: str | Path, name: Any, *, what: str = "name", flat: bool = Fa
     return path
 
 
-__all__ = ["UnreadableFile", "UnsafeName", "append_line", "atomic_write", "atomic_write_all",
-           "atomic_write_bytes", "atomic_write_json", "atomic_write_npz", "atomic_write_text",
-           "check_name", "confined", "fsync_directory", "is_temporary", "read_json",
-           "read_json_lines", "require_room", "save_npy"]
+__all__ = ["RowArray", "UnreadableFile", "UnsafeName", "append_line", "atomic_write",
+           "atomic_write_all", "atomic_write_bytes", "atomic_write_json", "atomic_write_npz",
+           "atomic_write_text", "check_name", "confined", "fsync_directory", "is_temporary",
+           "read_json", "read_json_lines", "require_room", "save_npy"]

@@ -58,8 +58,8 @@ from flarepp.data.base import (ChannelStatistics, DataError, DatasetSplits, Runn
 from flarepp.data.fingerprint import data_fingerprint, file_sha256, sampled_digest
 from flarepp.data.layout import ChannelLayout
 from flarepp.data.registry import DATASETS, OPTION_CHECKS
-from flarepp.io import (UnreadableFile, UnsafeName, atomic_write_all, check_name, confined,
-                        is_temporary, read_json, save_npy)
+from flarepp.io import (RowArray, UnreadableFile, UnsafeName, atomic_write_all, check_name,
+                        confined, is_temporary, read_json, save_npy)
 from flarepp.locks import LOCK_NAME, Lease, Verdict
 
 MANIFEST = "manifest.json"
@@ -724,18 +724,25 @@ class StoreSamples:
                                None if conditions is None
                                else ChannelStatistics.of_array(conditions), zero)
 
-    def padded_arrays(self) -> dict[str, np.ndarray]:
+    def padded_arrays(self) -> dict[str, Any]:
         """``true [S, N, O]`` padded to the longest sample, ``coords`` (the leading
-        coordinate inputs, else the first two), ``real``/``mask [S, N]``."""
+        coordinate inputs, else the first two), ``real``/``mask [S, N]``; ``true`` and
+        ``coords`` as :class:`~flarepp.io.RowArray`, each sample read when its row is
+        written (never the split at once)."""
         n = self.n_points
-        true = np.zeros((len(self), n, self.out_dim), np.float32)
         width = self.store.layout.coordinates or min(2, self.in_dim)
-        coords = np.zeros((len(self), n, width), np.float32)
         real = np.arange(n)[None, :] < self._rows[:, None]
-        for i in range(len(self)):
-            x, y = self.sample(i)
-            true[i, :len(y)], coords[i, :len(x)] = y, x[:, :width]
-        return {"true": true, "coords": coords, "real": real, "mask": real}
+
+        def padded(i: int, groups: list[tuple[str, int]], channels: int) -> np.ndarray:
+            row = np.zeros((n, channels), np.float32)
+            row[:self._rows[i]] = self._read(i, groups, None)[:, :channels]
+            return row
+
+        return {"true": RowArray((len(self), n, self.out_dim), np.float32,
+                                 lambda i: padded(i, self._targets, self.out_dim)),
+                "coords": RowArray((len(self), n, width), np.float32,
+                                   lambda i: padded(i, self._inputs, width)),
+                "real": real, "mask": real}
 
     def subset(self, index: Any) -> "StoreSamples":
         return StoreSamples(self.store, list(np.asarray(self.names, dtype=object)[index]),

@@ -121,11 +121,27 @@ def epoch_keys(order: np.ndarray, batch_size: int, rank: int, world: int, seed: 
     return keys
 
 
-def eval_keys(n_samples: int, batch_size: int, rank: int, world: int) -> list[list[ItemKey]]:
-    """A strided share of ``range(n_samples)`` for rank ``rank``, in batches (may be empty)."""
-    mine = np.arange(rank, n_samples, world)
-    return [[ItemKey(int(i), int(i)) for i in mine[s:s + batch_size]]
-            for s in range(0, len(mine), batch_size)]
+def eval_keys(indices: Any, batch_size: int, rank: int, world: int, *,
+              sizes: np.ndarray | None = None, batch_points: int | None = None
+              ) -> list[list[ItemKey]]:
+    """A strided share of the sample ``indices`` (an array, or a count: ``range``) for rank
+    ``rank``, in batches (may be empty) of at most ``batch_size`` samples and, with the
+    split's ``sizes`` (tokens of every sample), at most ``batch_points`` padded tokens
+    (samples x the longest; a larger sample alone)."""
+    indices = np.arange(indices) if np.ndim(indices) == 0 else np.asarray(indices)
+    mine = indices[rank::world]
+    batches: list[list[ItemKey]] = []
+    longest = 0
+    for i in mine:
+        n = 0 if sizes is None or batch_points is None else int(sizes[i])
+        if batches and len(batches[-1]) < batch_size and (
+                (len(batches[-1]) + 1) * max(longest, n) <= (batch_points or 0) or not n):
+            batches[-1].append(ItemKey(int(i), int(i)))
+            longest = max(longest, n)
+        else:
+            batches.append([ItemKey(int(i), int(i))])
+            longest = n
+    return batches
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -18,16 +18,18 @@ ones, whose EMA copy still weighs the early weights.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from flarepp.device import resolve_device
 from flarepp.distributed import context_parallel
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
-from flarepp.inference.engine import Engine
-from flarepp.inference.execution import Execution
+from flarepp.inference.engine import Engine, KeptPredictions
+from flarepp.inference.execution import STREAM_ABOVE, Execution
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_model
 from flarepp.storage.config import EVAL_WEIGHTS, RunConfig
 from flarepp.tasks import Task, build_task
@@ -54,15 +56,46 @@ def weight_metrics(split: str, headline: str, by_weights: dict[str, dict[str, An
             **{f"{split}_{name}": chosen[name] for name in reported if name in chosen}}
 
 
+FINAL_EVAL_TRAIN_POINTS = 2**23
+"""Points of the training split the end of a run evaluates under ``final_eval_train=auto``:
+every training sample when the split holds no more, else an evenly spaced subsample of
+about that many points (a store of 1M-point meshes: 8 of them)."""
+
+
+def final_eval_samples(option: str | int, sizes: np.ndarray | None, count: int
+                       ) -> tuple[np.ndarray | None, str]:
+    """The training samples the end-of-run evaluation covers under ``final_eval_train``
+    ``option`` (``all``, ``none``, ``auto`` or a count), of a split of ``count`` samples of
+    ``sizes`` points (None: unknown): ``(indices or None for every one, a phrase saying
+    which)``. A subsample is evenly spaced over the split (the same on every run)."""
+    total = None if sizes is None else int(np.sum(sizes))
+    if option == "none":
+        return np.zeros(0, np.int64), "train not evaluated (final_eval_train=none)"
+    if option == "auto":
+        if total is None or total <= FINAL_EVAL_TRAIN_POINTS:
+            return None, f"train: all {count} samples (final_eval_train=auto)"
+        wanted = max(1, int(count * FINAL_EVAL_TRAIN_POINTS / total))
+        why = f"final_eval_train=auto: the split holds {total / 1e6:.1f}M points"
+    elif option == "all" or int(option) >= count:
+        return None, f"train: all {count} samples (final_eval_train={option})"
+    else:
+        wanted, why = int(option), f"final_eval_train={option}"
+    chosen = np.unique(np.linspace(0, count - 1, wanted).round().astype(np.int64))
+    return chosen, f"train: {len(chosen)} of {count} samples, evenly spaced ({why})"
+
+
 def evaluate_weights(engine: Engine, split: str, batch_size: int,
-                     models: dict[str, torch.nn.Module], *, same: bool = False
+                     models: dict[str, torch.nn.Module], *, same: bool = False,
+                     indices: np.ndarray | None = None, keep: KeptPredictions | None = None
                      ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """``{"raw": (metrics, records), "ema": (...)}`` of ``models["raw"]`` and
-    ``models["ema"]`` on ``split``. ``same``: the EMA copy is the raw weights (``ema_decay``
-    0), evaluated once."""
-    raw = engine.evaluate(models["raw"], split, batch_size)
-    return {"raw": raw, "ema": raw if same else engine.evaluate(models["ema"], split,
-                                                                 batch_size)}
+    ``models["ema"]`` on ``split`` (its samples ``indices``, default every one), both run
+    on each sample in one pass over the data. ``same``: the EMA copy is the raw weights
+    (``ema_decay`` 0), evaluated once. ``keep``: as :meth:`Engine.evaluate`'s."""
+    names = ("raw",) if same else ("raw", "ema")
+    results = engine.evaluate({w: models[w] for w in names}, split, batch_size,
+                              indices=indices, keep=keep)
+    return {"raw": results["raw"], "ema": results["raw" if same else "ema"]}
 
 
 def load_for_evaluation(path: str | Path, *, data_root: str | Path | None = None,
@@ -101,30 +134,47 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     of the run's own (``config.precision``): e.g. an FP32-trained model evaluated with BF16
     matrix products, FP32 accumulation (paper D.2 measures 16-bit inference against FP32);
     the metrics name the precision they were computed in. ``check``: as
-    :func:`load_for_evaluation`'s. The thread count it times is put back at the end."""
+    :func:`load_for_evaluation`'s. The thread count it times is put back at the end.
+
+    Both weights run on each sample in one pass over a split, a large sample streamed
+    (:data:`~flarepp.inference.execution.STREAM_ABOVE`, or ``chunk_size``); the training
+    split is the samples the run's ``final_eval_train`` chooses (:func:`final_eval_samples`,
+    recorded as ``final_eval_train``), as at the end of the run."""
     model, task, config, state = load_for_evaluation(path, data_root=data_root,
                                                      device=device, ema=False, check=check)
     device = next(model.parameters()).device
     models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
     precision = precision or config.precision
     workers = config.workers(device.type)
-    forwards = sum(-(-task.num_samples(split) // task.eval_batch_size())
-                   for split in splits or task.eval_splits) * (1 if config.ema_decay == 0 else 2)
+    splits = splits or task.eval_splits
+    chosen = {split: final_eval_samples(config.final_eval_train, task.sample_sizes(split),
+                                        task.num_samples(split)) if split == "train"
+              else (None, "") for split in splits}
+    forwards = sum(-(-(task.num_samples(split) if indices is None else len(indices))
+                     // task.eval_batch_size()) for split, (indices, _) in chosen.items()
+                   ) * (1 if config.ema_decay == 0 else 2)
     threads = ThreadTuner(steps=forwards, budget=thread_budget(workers), device=device,
                           say=say, skip=SHARED_BY_RANKS if parallel.mesh is not None else None)
     engine = Engine(task, Execution(device, precision, plan=parallel, chunk_size=chunk_size,
-                                    threads=threads), workers=workers)
+                                    stream_above=STREAM_ABOVE, threads=threads),
+                    workers=workers)
     if parallel.cp_group is not None:
         for each in models.values():
             context_parallel(each, parallel.cp_group)
     metrics: dict[str, Any] = {}
     with threads:  # the thread count it times is put back at the end
-        for split in splits or task.eval_splits:
+        for split, (indices, which) in chosen.items():
+            if indices is not None and len(indices) == 0:
+                continue
             results = evaluate_weights(engine, split, task.eval_batch_size(), models,
-                                       same=config.ema_decay == 0)
+                                       same=config.ema_decay == 0, indices=indices)
             by_weights = {w: result for w, (result, _) in results.items()}
             metrics.update(weight_metrics(split, task.headline, by_weights,
                                           config.eval_weights, task.reported))
+    if "train" in chosen:
+        metrics["final_eval_train"] = final_eval_record(config.final_eval_train,
+                                                        *chosen["train"],
+                                                        task.num_samples("train"))
     metrics.update({"eval_weights": config.eval_weights, "precision": precision,
                     "epochs": int(state["epoch"]),
                     "params": sum(p.numel() for p in model.parameters()),
@@ -132,6 +182,14 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
                     "threads": threads.choice.record() if threads.choice
                     else {"threads": torch.get_num_threads(), "how": "being measured"}})
     return metrics
+
+
+def final_eval_record(option: str | int, indices: np.ndarray | None, which: str,
+                      count: int) -> dict[str, Any]:
+    """What ``metrics.json`` says of the training samples evaluated at the end
+    (:func:`final_eval_samples`): the option, how many of how many, the phrase."""
+    return {"option": option, "evaluated": count if indices is None else int(len(indices)),
+            "samples": count, "which": which}
 
 
 def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
@@ -142,19 +200,24 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
     first evaluation split and write the files a finished run leaves for its figures
     (``Task.write_outputs``: test predictions, the figure's case) into ``out_dir``; returns
     that split's headline metric. ``flarepp plot`` uses it for a run stopped before its
-    end."""
+    end. One pass over the split, one sample's prediction in memory at a time (the ones
+    written are kept on disk, :class:`~flarepp.inference.engine.KeptPredictions`)."""
     model, task, config, _state = load_for_evaluation(path, data_root=data_root,
                                                       device=device)
     device = next(model.parameters()).device
-    engine = Engine(task, Execution(device, config.precision, chunk_size=chunk_size),
+    engine = Engine(task, Execution(device, config.precision, chunk_size=chunk_size,
+                                    stream_above=STREAM_ABOVE),
                     workers=config.workers(device.type))
     split = task.eval_splits[0]
-    result, records = engine.evaluate(model, split, task.eval_batch_size())
-    predictions = engine.predict_cases(model, split, task.cases_to_predict(split, records))
-    extra = {"predictions": predictions} if predictions else {}
-    task.write_outputs(Path(out_dir), split, records, **extra)
+    with KeptPredictions(task.predictions_to_keep(split), directory=out_dir) as kept:
+        result, records = engine.evaluate(model, split, task.eval_batch_size(), keep=kept)
+        cases = engine.predict_cases(model, split, task.cases_to_predict(split, records))
+        predictions = ChainMap(cases, kept)
+        extra = {"predictions": predictions} if predictions else {}
+        task.write_outputs(Path(out_dir), split, records, **extra)
     return {f"{split}_{task.headline}": result[task.headline]}
 
 
-__all__ = ["evaluate_checkpoint", "evaluate_weights", "load_for_evaluation", "weight_metrics",
+__all__ = ["FINAL_EVAL_TRAIN_POINTS", "evaluate_checkpoint", "evaluate_weights",
+           "final_eval_record", "final_eval_samples", "load_for_evaluation", "weight_metrics",
            "write_checkpoint_outputs"]

@@ -26,7 +26,7 @@ from flarepp.rank_growth import LatentSchedule
 
 # How a run executes, not what it computes: a run may resume with other values.
 RUNTIME_FIELDS = ("device", "compile", "loader_workers", "eval_chunk_size",
-                  "keep_checkpoints", "memory_budget_gib")
+                  "keep_checkpoints", "memory_budget_gib", "final_eval_train")
 
 CONFIG_VERSION = 4
 """The format of a stored run config. 1: the configs of runs stored before the version was
@@ -46,7 +46,8 @@ FILE_SECTIONS: dict[str, tuple[str, ...]] = {
     "protocol": ("loss", "grad_loss_weight", "input_norm", "weight_decay_groups",
                  "momentum_cycle", "attn_scale", "precision", "eval_weights"),
     "runtime": ("device", "compile", "loader_workers", "eval_chunk_size", "checkpoint_every",
-                "eval_every", "plot_cases", "keep_checkpoints", "memory_budget_gib"),
+                "eval_every", "plot_cases", "keep_checkpoints", "memory_budget_gib",
+                "final_eval_train"),
 }
 """How ``config.json`` groups the fields beside ``name``, ``task``, ``seed`` and ``model``
 (the model section is the ``model`` field itself)."""
@@ -66,6 +67,9 @@ ADDED_SINCE: dict[int, dict[str, Any]] = {3: {"eval_weights": "ema"},
 with: a stored config of version v lacking such a field of a version above v gets it."""
 
 EVAL_WEIGHTS = ("raw", "ema")
+
+FINAL_EVAL_TRAIN = ("auto", "all", "none")
+"""Words of ``final_eval_train`` (besides a count of samples)."""
 
 REFERENCE_ATTN_SCALE: dict[str, float] = {"flare": 1.0}
 """SDPA scale of ``attn_scale="reference"`` per mixer, where it is not 1/sqrt(D).
@@ -127,9 +131,16 @@ class RunConfig:
     (``cuda:LOCAL_RANK`` when CUDA is available, else the CPU), ``cpu``, ``cuda`` or
     ``cuda:K``; ``loader_workers`` -1 means 2 worker processes on CUDA and none on the CPU
     (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
-    evaluation meshes in chunks of that many points; ``keep_checkpoints`` K keeps the K
-    newest checkpoints of the run plus the one of the epoch with the best recorded metric
-    (``None`` keeps every one; older ones are deleted only after a newer one is written);
+    evaluation meshes in chunks of that many points (exact; unset: a mesh of up to 65,536
+    points is evaluated whole, a larger one streamed in chunks of 65,536,
+    :data:`flarepp.inference.execution.STREAM_ABOVE`); ``final_eval_train`` says which
+    training samples the end of the run evaluates (the test split always, every sample):
+    ``all``, ``none``, a count N (N evenly spaced samples) or ``auto`` (every one when the
+    training split holds at most 8M points, else an evenly spaced subsample of about 8M
+    points: :func:`flarepp.inference.evaluate.final_eval_samples`; a stored config without
+    it reads as ``auto``), said on the console and recorded in ``metrics.json``;
+    ``keep_checkpoints`` K keeps the K newest checkpoints of the run plus the one of the
+    epoch with the best recorded metric (``None`` keeps every one; older ones are deleted only after a newer one is written);
     ``memory_budget_gib`` is the resident memory in GiB the run (its process and its loader
     workers) may take, from which it chooses ``eval_chunk_size``, ``loader_workers`` and an
     unset ``dataset_options.points_per_step`` (:mod:`flarepp.train.budget`; ``None``: the
@@ -179,6 +190,7 @@ class RunConfig:
     latent_schedule: str | None = None
     keep_checkpoints: int | None = 3
     memory_budget_gib: float | None = None
+    final_eval_train: str | int = "auto"
 
     def __post_init__(self) -> None:
         # JSON has no tuples: a stored or typed pair reads as a list
@@ -374,7 +386,8 @@ def field_default(cls: type, name: str) -> Any:
     return None
 
 
-__all__ = ["ADDED_SINCE", "ATTN_SCALE_WORDS", "CONFIG_VERSION", "EVAL_WEIGHTS", "FILE_SECTIONS",
+__all__ = ["ADDED_SINCE", "ATTN_SCALE_WORDS", "CONFIG_VERSION", "EVAL_WEIGHTS",
+           "FINAL_EVAL_TRAIN", "FILE_SECTIONS",
            "LEGACY_PROTOCOL", "MOMENTUM_CYCLE_REFERENCE", "REFERENCE_ATTN_SCALE",
            "RUNTIME_FIELDS", "RunConfig", "VERSION_KEY", "describe_scale", "field_default",
            "flatten_sections", "model_config_class", "stored_version"]

@@ -16,7 +16,9 @@ the whole global batch, so a batch split over data-parallel ranks, or over micro
 gives exactly the single-process loss and gradient.
 
 Evaluation convention. ``eval_records(pred, batch)`` turns a batch's predictions into
-per-sample records (numpy, keyed by name, with the sample ``index``); the predictions come
+per-sample records (numpy, keyed by name, with the sample ``index``): small numbers per
+sample, never per-point arrays (what a task writes of its predictions it asks for through
+``predictions_to_keep`` or ``cases_to_predict``); the predictions come
 from the one prediction path (:func:`flarepp.inference.execution.predict_tokens`) through
 the task's :meth:`Task.surrogate`, in physical units for a task with output normalisers
 (:meth:`Task.normalizers`), as the model gives them otherwise. The trainer gathers the
@@ -84,6 +86,11 @@ class Task(abc.ABC):
     def item_size(self, item: Item) -> int:
         """Tokens of one item (what padding to a common length costs); 1 if not tokens."""
         return 1
+
+    def sample_sizes(self, split: str) -> np.ndarray | None:
+        """Tokens of every sample of ``split`` as evaluation reads them, known without
+        reading the samples (evaluation batches are cut by them); None when not known."""
+        return None
 
     @abc.abstractmethod
     def collate(self, items: list[Item]) -> Batch:
@@ -175,6 +182,13 @@ class Task(abc.ABC):
         want one at a time)."""
         return max(self.config.batch_size, 4)
 
+    def predictions_to_keep(self, split: str) -> list[int]:
+        """Samples of ``split`` whose predictions :meth:`write_outputs` writes, kept from the
+        final evaluation's own pass (on disk, one sample at a time) and handed to it as
+        ``predictions``; none by default. (:meth:`cases_to_predict` names samples chosen
+        from the records, predicted again after the evaluation.)"""
+        return []
+
     def cases_to_predict(self, split: str, records: dict[str, np.ndarray]) -> list[int]:
         """Samples of ``split`` whose full predictions :meth:`write_outputs` needs although
         the records keep only small per-sample numbers (e.g. the case a figure shows).
@@ -188,8 +202,9 @@ class Task(abc.ABC):
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
                       predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
         """Files written from the final evaluation of ``split`` (e.g. predictions);
-        ``predictions`` is passed only to a task that asks for cases
-        (:meth:`cases_to_predict`)."""
+        ``predictions`` (``{index: [N, O]}``, a mapping read one sample at a time) is passed
+        only to a task that asks for some (:meth:`predictions_to_keep`,
+        :meth:`cases_to_predict`)."""
         return []
 
     @classmethod
@@ -236,21 +251,10 @@ def collate_point_clouds(items: list[Item], lengths: list[int], *,
 
 
 def gather_records(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Concatenate per-batch (or per-rank) records and order them by sample ``index``.
-
-    Records of different lengths along axis 1 (predictions of meshes padded per batch)
-    are padded with zeros to the longest.
-    """
+    """Concatenate per-batch (or per-rank) records and order them by sample ``index``."""
     parts = [p for p in parts if p and len(p["index"])]
     if not parts:
         return {}
-    out = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts]
-        if values[0].ndim >= 2 and len({v.shape[1] for v in values}) > 1:
-            longest = max(v.shape[1] for v in values)
-            values = [np.pad(v, [(0, 0), (0, longest - v.shape[1])] + [(0, 0)] * (v.ndim - 2))
-                      for v in values]
-        out[key] = np.concatenate(values, axis=0)
+    out = {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
     order = np.argsort(out["index"], kind="stable")
     return {k: v[order] for k, v in out.items()}

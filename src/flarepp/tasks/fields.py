@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from torch import nn
 
 from flarepp.data import (ChannelStatistics, DataError, DatasetSplits, DataWarning,
                           MeshSamples, Normalizer, load_dataset, subset_points)
-from flarepp.io import atomic_write_npz
+from flarepp.io import RowArray, atomic_write_npz
 from flarepp.models import build_model
 from flarepp.plots import Panel, Series, weight_series
 from flarepp.plots3d import plot_field_run
@@ -365,10 +365,14 @@ class FieldTask(Task):
                 raise DataError(f"{self._where()}: model.arch='conditioned' takes per-sample "
                                 "conditions, but the data has none (a store converted with "
                                 "`conditions` in its spec has them); train a plain model")
-            if self.config.eval_chunk_size is not None:
-                raise ValueError("eval_chunk_size streams a mesh through a plain model; a "
-                                 "model with conditions is evaluated whole (leave "
-                                 "eval_chunk_size unset)")
+            if (self.config.eval_chunk_size is not None
+                    and self.config.model.get("conditioning", "cross") == "cross"):
+                raise ValueError("eval_chunk_size streams a mesh in chunks, but "
+                                 "model.conditioning='cross' gathers the conditions in every "
+                                 "encode beside the mesh's points, which a chunk's partial "
+                                 "encode would count once per chunk; leave eval_chunk_size "
+                                 "unset (each mesh whole) or condition by concat or adaln, "
+                                 "which stream exactly")
             return True
         if has:
             warnings.warn(f"{self._where()}: the data has per-sample conditions {names}, "
@@ -488,6 +492,9 @@ class FieldTask(Task):
     def item_size(self, item: Item) -> int:
         return int(item["x"].shape[0])
 
+    def sample_sizes(self, split: str) -> np.ndarray:
+        return self.samples(split).point_counts()
+
     def collate(self, items: list[Item]) -> Batch:
         own_masks = "mask" in items[0]  # whole grids with their own masks
         lengths = [self.item_size(it) for it in items]
@@ -532,7 +539,7 @@ class FieldTask(Task):
 
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
         """Per sample: relative and absolute L2 errors of the predictions (physical units,
-        zero at padding: the predictor's), the target's norm and the predictions."""
+        zero at padding: the predictor's) and the target's norm."""
         out = pred
         mask = batch.get("mask")
         y = batch["y"]
@@ -543,8 +550,7 @@ class FieldTask(Task):
         return {"index": batch["index"].cpu().numpy(),
                 "rel_l2": relative_l2(out, y, mask).cpu().numpy(),
                 "ref_norm": ref.sum((1, 2)).sqrt().cpu().numpy(),
-                "abs_l2": err.sum((1, 2)).sqrt().cpu().numpy(),
-                "pred": out.cpu().numpy()}
+                "abs_l2": err.sum((1, 2)).sqrt().cpu().numpy()}
 
     def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
         zero = records["ref_norm"] == 0
@@ -665,23 +671,30 @@ class FieldTask(Task):
                             f"{names}, the checkpoint's model takes "
                             f"{model_config.get('cond_dim', 0) if takes else 0} conditions")
 
-    def full_predictions(self, split: str, records: dict[str, np.ndarray],
-                         arrays: dict[str, np.ndarray] | None = None) -> np.ndarray:
-        """Predictions ``[S, N, O]`` at the split's own point layout (zeros at padding);
-        ``arrays``: the split's ``padded_arrays()``, when already read."""
-        real = (arrays or self.samples(split).padded_arrays())["real"]
-        pred = np.zeros((*real.shape, self.splits.out_dim), np.float32)
-        for row, i in enumerate(records["index"]):
-            pred[i, real[i]] = records["pred"][row, : int(real[i].sum())]
-        return pred
+    def predictions_to_keep(self, split: str) -> list[int]:
+        """Every test sample: :meth:`write_outputs` writes the test predictions."""
+        return list(range(self.num_samples(split))) if split == "test" else []
 
-    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray]
-                      ) -> list[Path]:
+    def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
+                      predictions: Mapping[int, np.ndarray] | None = None) -> list[Path]:
+        """``predictions_test.npz``: ``pred`` and ``true [S, N, O]`` at the split's own
+        point layout (zeros at padding), ``coords``, ``rel_l2`` per sample, the field names
+        and units (and ``mask``, ``grid_shape``, the source meshes where the data has
+        them); the predictions and a store's samples are written one sample at a time."""
         if split != "test":
             return []
         padded = self.samples(split).padded_arrays()
-        arrays = {"pred": self.full_predictions(split, records, padded), "true": padded["true"],
-                  "coords": padded["coords"], "rel_l2": records["rel_l2"],
+        real, kept = padded["real"], predictions or {}
+
+        def pred_row(i: int) -> np.ndarray:
+            row = np.zeros((real.shape[1], self.splits.out_dim), np.float32)
+            if i in kept:
+                row[real[i]] = kept[i]
+            return row
+
+        arrays = {"pred": RowArray((*real.shape, self.splits.out_dim), np.float32, pred_row),
+                  "true": padded["true"], "coords": padded["coords"],
+                  "rel_l2": records["rel_l2"],
                   "field_names": np.asarray(self.splits.field_names),
                   "units": np.asarray(self.splits.units)}
         arrays.update({k: padded[k] for k in ("mask", "grid_shape") if k in padded})

@@ -40,7 +40,7 @@ all T steps) with the model's own predictions only; the metric is the relative L
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -283,8 +283,7 @@ class RolloutTask(Task):
         true = self._targets(batch).double()
         err = (pred.detach().double() - true).square().sum(-1).sqrt()
         rel = err / true.square().sum(-1).sqrt()                            # [B, S]
-        return {"index": batch["index"].cpu().numpy(), "rel_l2": rel.cpu().numpy(),
-                "pred": pred.detach().float().cpu().numpy()}
+        return {"index": batch["index"].cpu().numpy(), "rel_l2": rel.cpu().numpy()}
 
     def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
         per_step = records["rel_l2"].mean(0)
@@ -319,14 +318,21 @@ class RolloutTask(Task):
                             f"{self.data.patches} needs a model with {want}, the checkpoint's "
                             f"has {got}")
 
+    def predictions_to_keep(self, split: str) -> list[int]:
+        """The first :data:`SAVED_CASES` trajectories, whose rollouts :meth:`write_outputs`
+        saves."""
+        return list(range(min(SAVED_CASES, self.num_samples(split))))
+
     def write_outputs(self, out_dir: Path, split: str, records: dict[str, np.ndarray], *,
-                      predictions: dict[int, np.ndarray] | None = None) -> list[Path]:
-        """``test_rollout.npz``: per-trajectory, per-step errors and a few rollouts."""
+                      predictions: Mapping[int, np.ndarray] | None = None) -> list[Path]:
+        """``test_rollout.npz``: per-trajectory, per-step errors and a few rollouts (the
+        kept ``predictions`` of the first :data:`SAVED_CASES` trajectories)."""
         d = self.data
         cases = records["index"][:SAVED_CASES]
         R = self.resolution
+        kept = predictions or {}
         arrays = {"rel_l2": records["rel_l2"], "index": records["index"],
-                  "pred": records["pred"][:SAVED_CASES].reshape(len(cases), -1, R, R),
+                  "pred": np.stack([kept[int(i)] for i in cases]).reshape(len(cases), -1, R, R),
                   "true": d.test.u[cases][:, :d.horizon + 1],
                   "times": d.test.times[:d.horizon + 1]}
         return [atomic_write_npz(RunDir(out_dir).file(RunDir.ROLLOUT, split=split), arrays,

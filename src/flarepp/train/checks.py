@@ -23,8 +23,9 @@ from flarepp.data import DATASETS, OPTION_CHECKS
 from flarepp.device import PRECISIONS
 from flarepp.mixers import MIXERS
 from flarepp.models import MODELS
-from flarepp.storage.config import (ATTN_SCALE_WORDS, EVAL_WEIGHTS, VERSION_KEY, RunConfig,
-                                    field_default, model_config_class)
+from flarepp.inference.execution import STREAM_ABOVE
+from flarepp.storage.config import (ATTN_SCALE_WORDS, EVAL_WEIGHTS, FINAL_EVAL_TRAIN,
+                                    VERSION_KEY, RunConfig, field_default, model_config_class)
 from flarepp.tasks import check_task_config
 from flarepp.train.optim import WEIGHT_DECAY_GROUPS
 from flarepp.validate import check_types, require_positive, type_hints
@@ -80,8 +81,14 @@ def _check_ranges(c: RunConfig) -> None:
         raise ValueError(f"memory_budget_gib (--memory-budget) must be a positive number of "
                          f"GiB, got {c.memory_budget_gib}")
     if c.eval_chunk_size is not None and c.eval_chunk_size < 1:
-        raise ValueError(f"eval_chunk_size must be a count of points >= 1 (or None: each "
-                         f"mesh evaluated whole), got {c.eval_chunk_size}")
+        raise ValueError(f"eval_chunk_size must be a count of points >= 1 (or None: a "
+                         f"mesh whole up to {STREAM_ABOVE} points, streamed above), got "
+                         f"{c.eval_chunk_size}")
+    train_set = c.final_eval_train
+    if (train_set not in FINAL_EVAL_TRAIN if isinstance(train_set, str)
+            else isinstance(train_set, bool) or train_set < 1):
+        raise ValueError(f"final_eval_train must be one of {', '.join(FINAL_EVAL_TRAIN)} or a "
+                         f"count of training samples >= 1, got {train_set!r}")
 
 
 def _check_model(c: RunConfig) -> None:

@@ -39,6 +39,7 @@ import contextlib
 import signal
 import threading
 import time
+from collections import ChainMap
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,9 +54,10 @@ from flarepp.distributed import all_reduce_gradients, context_parallel
 from flarepp.distributed.mesh import SINGLE, ParallelPlan
 from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
                                         steps_per_epoch, to_device_prefetched)
-from flarepp.inference.engine import Engine
-from flarepp.inference.execution import Execution
-from flarepp.inference.evaluate import evaluate_weights, weight_metrics
+from flarepp.inference.engine import Engine, KeptPredictions
+from flarepp.inference.execution import STREAM_ABOVE, Execution
+from flarepp.inference.evaluate import (evaluate_weights, final_eval_record, final_eval_samples,
+                                        weight_metrics)
 from flarepp.models.backbone import compile_model
 from flarepp.rank_growth import grow_latents
 from flarepp.storage.checkpoint import CheckpointError
@@ -219,7 +221,8 @@ class Trainer:
             hidden_on = self.memory.hidden_on
             self.say(self.memory.line(c))
         self.engine = Engine(task, Execution(self.device, c.precision, plan=self.plan,
-                                             chunk_size=c.eval_chunk_size, hidden_on=hidden_on),
+                                             chunk_size=c.eval_chunk_size,
+                                             stream_above=STREAM_ABOVE, hidden_on=hidden_on),
                              workers=c.workers(self.device.type))
         self.init_record = None if init_from is None else CheckpointManager.start_from(
             Path(init_from), self.model, task if init_normalizers == "keep" else None, c.task)
@@ -459,13 +462,17 @@ class Trainer:
         """The raw (trained) weights' model, or the EMA copy's (``"raw"`` / ``"ema"``)."""
         return {"raw": self.model, "ema": self.ema.module}[name]
 
-    def evaluate(self, split: str) -> dict[str, dict[str, Any]]:
-        """The task's metrics of ``split`` (with its ``_records``) for the raw weights and
-        the EMA copy, ``{"raw": ..., "ema": ...}``; with ``ema_decay`` 0 the copy is the
-        weights, evaluated once."""
+    def evaluate(self, split: str, *, indices: np.ndarray | None = None,
+                 keep: KeptPredictions | None = None) -> dict[str, dict[str, Any]]:
+        """The task's metrics of ``split`` (its samples ``indices``, default every one; with
+        its ``_records``) for the raw weights and the EMA copy, ``{"raw": ..., "ema":
+        ...}``, both run on each sample in one pass; with ``ema_decay`` 0 the copy is the
+        weights, evaluated once. ``keep``: predictions kept from the pass
+        (:meth:`~flarepp.inference.engine.Engine.evaluate`)."""
         results = evaluate_weights(self.engine, split, self.task.eval_batch_size(),
                                    {w: self.weights(w) for w in ("raw", "ema")},
-                                   same=self.config.ema_decay == 0)
+                                   same=self.config.ema_decay == 0, indices=indices,
+                                   keep=keep)
         return {w: {**metrics, "_records": records}
                 for w, (metrics, records) in results.items()}
 
@@ -580,27 +587,46 @@ class Trainer:
         return reason
 
     def finish(self) -> dict[str, Any]:
-        """The end-of-run evaluation of every evaluation split (both weights), the cases the
-        task draws, ``metrics.json``, the figures; returns the metrics."""
-        headline, chosen, split = self.task.headline, self.config.eval_weights, \
-            self.task.eval_splits[0]
-        with self._stage("end-of-run evaluation"):
-            results = {name: self.evaluate(name) for name in self.task.eval_splits}
+        """The end-of-run evaluation (both weights in one pass over each split): the test
+        split and the other evaluation splits whole, the training samples
+        ``final_eval_train`` chooses (said on the console, recorded in ``metrics.json``);
+        then the cases the task draws, its output files from the predictions kept from
+        that pass, ``metrics.json``, the figures; returns the metrics."""
+        task, chosen = self.task, self.config.eval_weights
+        headline, split = task.headline, task.eval_splits[0]
+        sets = {name: (None, f"{name}: all {task.num_samples(name)} samples")
+                for name in task.eval_splits}
+        if "train" in sets:
+            sets["train"] = final_eval_samples(self.config.final_eval_train,
+                                               task.sample_sizes("train"),
+                                               task.num_samples("train"))
+        self.say("end-of-run evaluation: " + "; ".join(which for _, which in sets.values()))
+        directory = self.out_dir if self.is_writer else None
+        with self._stage("end-of-run evaluation"), KeptPredictions(
+                task.predictions_to_keep(split), chosen, directory=directory) as kept:
+            results = {name: self.evaluate(name, indices=indices,
+                                           keep=kept if name == split else None)
+                       for name, (indices, _) in sets.items()
+                       if indices is None or len(indices)}
             records = results[split][chosen]["_records"]
-            cases = self.task.cases_to_predict(split, records)  # predicted on every rank
-            extra = ({"predictions": self.engine.predict_cases(self.weights(chosen), split,
-                                                               cases)} if cases else {})
-        metrics: dict[str, Any] = {}
-        for name, by_weights in results.items():
-            metrics.update(weight_metrics(name, headline, by_weights, chosen,
-                                          self.task.reported))
-        metrics.update(self.task.baseline_metrics())
-        metrics.update(self._run_facts())
+            cases = task.cases_to_predict(split, records)  # predicted on every rank
+            predictions = ChainMap(self.engine.predict_cases(self.weights(chosen), split,
+                                                             cases) if cases else {}, kept)
+            metrics: dict[str, Any] = {}
+            for name, by_weights in results.items():
+                metrics.update(weight_metrics(name, headline, by_weights, chosen,
+                                              task.reported))
+            if "train" in sets:
+                metrics["final_eval_train"] = final_eval_record(
+                    self.config.final_eval_train, *sets["train"], task.num_samples("train"))
+            metrics.update(task.baseline_metrics())
+            metrics.update(self._run_facts())
+            if self.is_writer:
+                task.write_outputs(self.out_dir, split, records,
+                                   **({"predictions": predictions} if predictions else {}))
         if self.is_writer:
-            self.task.write_outputs(self.out_dir, split, records, **extra)
             self.run.write_metrics(metrics)
-            figures = self.task.plot_run(self.out_dir, self.config.plot_cases) if self.plot \
-                else []
+            figures = task.plot_run(self.out_dir, self.config.plot_cases) if self.plot else []
             self.hooks.run_end(metrics, figures)
         return metrics
 

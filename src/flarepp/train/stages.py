@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from flarepp.allocator import OutOfMemory, format_bytes, is_allocation_failure, requested_bytes
+from flarepp.inference.execution import STREAM_ABOVE
 from flarepp.storage.config import RunConfig
 from flarepp.train.checks import dataset_takes
 
@@ -29,7 +30,7 @@ STAGE_BOUNDS: dict[str, tuple[str, ...]] = {
 """The options that bound the memory of each stage (an option of the dataset is named only
 where the run's dataset takes it: ``points_per_step`` is a store's)."""
 
-UNSET = {"eval_chunk_size": "unset: each mesh whole",
+UNSET = {"eval_chunk_size": f"unset: a mesh whole up to {STREAM_ABOVE} points, streamed above",
          "dataset_options.points_per_step": "unset: every point of a sample"}
 
 
