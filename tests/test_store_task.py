@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -424,3 +427,155 @@ def test_a_laplace_store_of_many_fields_keeps_its_first_field_and_each_is_harmon
         u = _harmonic(np.random.default_rng([0, 0, 0, field]), centre + steps)
         second = (u[1:4] + u[4:7] - 2 * u[0]) / h ** 2     # u_xx, u_yy, u_zz
         assert abs(second.sum()) < 0.01 * np.abs(second).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation that streams (issue 38 item 1): one sample at a time, large ones streamed, raw
+# and EMA weights in one pass, records of per-sample numbers only
+
+def test_streamed_evaluation_equals_whole_and_records_hold_no_points(data):
+    """A store's split evaluated with every mesh streamed in chunks of 7 points (and with
+    only the meshes above 30 points streamed, chunks of 30) gives the whole-mesh metrics to
+    1e-6, and its records hold one number per sample, never a per-point array. A failure
+    points to the engine's streamed path (flarepp.inference.execution.chunk_for) or to a
+    task keeping its predictions in the records (memory growing with the split)."""
+    from flarepp.inference import Engine, Execution
+    store, _, _ = data
+    task = build_task(config(store.root), store.root)
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    whole, records = Engine(task, Execution("cpu")).evaluate(model, "train", 4)
+    for execution in (Execution("cpu", chunk_size=7), Execution("cpu", stream_above=30)):
+        streamed, again = Engine(task, execution).evaluate(model, "train", 4)
+        np.testing.assert_allclose(again["rel_l2"], records["rel_l2"], rtol=1e-6)
+        assert streamed["rel_l2"] == pytest.approx(whole["rel_l2"], rel=1e-6)
+    assert {key: value.shape for key, value in records.items()} == {
+        key: (6,) for key in ("index", "rel_l2", "ref_norm", "abs_l2")}
+
+
+def test_raw_and_ema_weights_are_evaluated_in_one_pass_over_the_data(data, monkeypatch):
+    """Both weights run on each sample as it is read: ``task.get`` is called once per
+    sample however many weights are evaluated (twice before, one pass per weights), and
+    each weights' metrics equal its own evaluation. With ``same`` (ema_decay 0) the copy
+    is the raw weights' result. A failure points to flarepp.inference.evaluate.
+    evaluate_weights or Engine.evaluate reading the split once per model."""
+    from flarepp.inference import Engine, Execution
+    from flarepp.inference.evaluate import evaluate_weights
+    store, _, _ = data
+    task = build_task(config(store.root), store.root)
+    torch.manual_seed(0)
+    models = {"raw": task.build_model(), "ema": task.build_model()}
+    engine = Engine(task, Execution("cpu"))
+    alone = {w: engine.evaluate(m, "train", 4)[0]["rel_l2"] for w, m in models.items()}
+    reads = []
+    real_get = task.get
+    monkeypatch.setattr(task, "get", lambda *a, **k: reads.append(a[1]) or real_get(*a, **k))
+    both = evaluate_weights(engine, "train", 4, models)
+    assert sorted(reads) == list(range(6))
+    assert {w: both[w][0]["rel_l2"] for w in models} == pytest.approx(alone, rel=1e-12)
+    assert alone["raw"] != alone["ema"]
+    reads.clear()
+    once = evaluate_weights(engine, "train", 4, models, same=True)
+    assert sorted(reads) == list(range(6)) and once["ema"] is once["raw"]
+
+
+def test_evaluation_batches_follow_the_sample_sizes():
+    """An evaluation batch holds at most its count of samples and its points budget
+    (samples x the longest): small meshes batch, a large one goes alone, and without sizes
+    the count alone cuts. A failure points to flarepp.inference.batching.eval_keys."""
+    from flarepp.inference.batching import eval_keys
+
+    def cut(keys):
+        return [[k.index for k in batch] for batch in keys]
+    sizes = np.array([10, 10, 10, 10, 10, 500, 10, 10])
+    assert cut(eval_keys(8, 4, 0, 1, sizes=sizes, batch_points=100)) == [
+        [0, 1, 2, 3], [4], [5], [6, 7]]
+    assert cut(eval_keys(8, 4, 0, 1)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cut(eval_keys(np.array([1, 5, 6]), 4, 1, 2, sizes=sizes, batch_points=100)) == [[5]]
+
+
+@pytest.mark.slow
+def test_final_eval_train_chooses_the_training_samples_and_says_so(data, tmp_path, capsys):
+    """``final_eval_train=2`` evaluates 2 evenly spaced training samples at the end of the
+    run (test whole), says so on the console and records it in metrics.json; ``none``
+    leaves the train metrics out; ``auto`` takes every sample of a small split. The
+    written test predictions cover every test point, one sample at a time. A failure
+    points to Trainer.finish or flarepp.inference.evaluate.final_eval_samples."""
+    from flarepp.inference.evaluate import final_eval_samples
+    store, _, _ = data
+    metrics = Trainer(config(store.root, epochs=1, final_eval_train=2), tmp_path / "two").fit()
+    assert metrics["final_eval_train"] == {
+        "option": 2, "evaluated": 2, "samples": 6,
+        "which": "train: 2 of 6 samples, evenly spaced (final_eval_train=2)"}
+    assert "end-of-run evaluation: test: all 2 samples; train: 2 of 6 samples" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["final_eval_train"] \
+        == metrics["final_eval_train"]
+    none = Trainer(config(store.root, epochs=1, final_eval_train="none"), tmp_path / "none",
+                   progress=False).fit()
+    assert "train_rel_l2" not in none and "test_rel_l2" in none
+    assert none["final_eval_train"]["evaluated"] == 0
+    with np.load(tmp_path / "none" / "test_predictions.npz") as f:
+        assert f["pred"].shape == (2, 35, 1) and (f["pred"][f["mask"]] != 0).all()
+        assert f["true"][0, :27, 0] == pytest.approx(data[2]["test"][0][1][:, 0])
+    assert not list((tmp_path / "none").glob(".predictions-*"))
+    assert final_eval_samples("auto", np.full(6, 10), 6)[0] is None
+    chosen, which = final_eval_samples("auto", np.full(100, 2**20), 100)
+    assert len(chosen) == 8 and chosen[0] == 0 and chosen[-1] == 99
+    assert which.endswith("(final_eval_train=auto: the split holds 104.9M points)")
+
+
+STREAMED_EVAL = """
+import resource, sys
+from flarepp.cli import main
+import flarepp.inference, flarepp.train, torch
+
+def vm(key):
+    return int([l for l in open("/proc/self/status") if l.startswith(key)][0].split()[1])
+
+limit = (vm("VmSize") + {extra_mib} * 1024) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.exit(main(["eval", sys.argv[1], "--data", sys.argv[2], "--device", "cpu"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_store_of_large_meshes_is_evaluated_in_bounded_memory(tmp_path):
+    """Issue 38: the evaluation of a store of large meshes held four whole meshes per batch
+    and every prediction, more memory than the store. A run trained on small meshes is
+    evaluated (``flarepp eval``) on a store of three 300K-point meshes with its address
+    space limited to 600 MiB above what the interpreter holds after its imports: one
+    sample at a time, streamed in chunks, it fits (about 270 MiB here); whole meshes two
+    per batch needed about 900 MiB and failed (checked against main before this change).
+    A failure points to an evaluation that holds more than one streamed sample."""
+    rng = np.random.default_rng(0)
+
+    def store(root, n):
+        layout = ChannelLayout(inputs=(ChannelGroup("coordinates", ("x", "y", "z"), "xyz"),),
+                               targets=(ChannelGroup("u", ("u",), "u"),),
+                               association="point", coordinates=3, dimensions=3)
+        writer, metas, names = StoreWriter(root, {"test": "large"}), {}, {}
+        for split, count in (("train", 1), ("test", 2)):
+            names[split] = [f"{split}/case_{i}" for i in range(count)]
+            for name in names[split]:
+                x = rng.random((n, 3), dtype=np.float32)
+                y = (np.sin(3 * x[:, :1]) * np.cos(2 * x[:, 1:2]) + x[:, 2:]).astype(np.float32)
+                metas[name] = writer.write(name, {"coordinates": x, "u": y},
+                                           {"source": None, "conditions": [],
+                                            "layout": layout.to_dict()})
+        return writer.finish(layout, names, metas).root
+
+    small, large = store(tmp_path / "small", 300), store(tmp_path / "large", 300_000)
+    run = tmp_path / "run"
+    Trainer(RunConfig(name="large-eval", dataset="store", data_root=str(small), epochs=1,
+                      model=dict(mixer="flarepp", dim=32, heads=2, latents=8, blocks=1),
+                      batch_size=1, ema_decay=0.0, device="cpu", loss="rel_l2",
+                      input_norm="standard", plot_cases=0), run, progress=False).fit()
+    script = tmp_path / "eval.py"
+    script.write_text(STREAMED_EVAL.format(extra_mib=600))
+    done = subprocess.run([sys.executable, str(script), str(run), str(large)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+    assert np.isfinite(metrics["test_rel_l2"]) and np.isfinite(metrics["train_rel_l2"])

@@ -181,7 +181,8 @@ class Engine:
         ``batch_size`` samples and :data:`EVAL_BATCH_POINTS` padded points
         (:meth:`~flarepp.tasks.Task.sample_sizes`). ``keep`` receives the predictions of
         its samples by its model (:class:`KeptPredictions`), written as they come."""
-        named = {None: models} if isinstance(models, nn.Module) else dict(models)
+        single = isinstance(models, nn.Module)
+        named = {"model": models} if single else dict(models)
         states = {name: model.training for name, model in named.items()}
         for model in named.values():
             model.eval()
@@ -202,7 +203,7 @@ class Engine:
                 for name, surrogate in surrogates.items():
                     pred = self._predict(surrogate, batch)
                     parts[name].append(self.task.eval_records(pred, batch))
-                    if name == kept_by:
+                    if keep is not None and name == kept_by:
                         self._keep(keep, pred, batch)
                     del pred
         if plan.dp_group is not None:
@@ -216,7 +217,7 @@ class Engine:
             model.train(states[name])
         results = {name: (self.task.summarize(split, records), records)
                    for name, records in ((n, gather_records(parts[n])) for n in named)}
-        return results[None] if isinstance(models, nn.Module) else results
+        return results["model"] if single else results
 
     @staticmethod
     def _keep(keep: KeptPredictions, pred: torch.Tensor, batch: Batch) -> None:
