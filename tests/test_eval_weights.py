@@ -81,6 +81,24 @@ def test_stored_configs_without_the_field_report_ema():
         get_preset("darcy-tiny", ["eval_weights=last"])
 
 
+def test_stored_configs_without_final_eval_train_read_as_auto():
+    """``final_eval_train`` (issue 38) is a runtime field with a default: a config stored
+    before it (today's format without the key, or the unversioned fixture) loads as
+    ``auto`` with the identity it had, so resuming and evaluating old runs still work; an
+    unknown word or a count below 1 is refused naming the option."""
+    fresh = get_preset("darcy-tiny")
+    stored = json.loads(json.dumps(fresh.to_file()))
+    del stored["runtime"]["final_eval_train"]
+    assert RunConfig.from_stored(stored).final_eval_train == "auto"
+    assert RunConfig.from_stored(stored).identity() == fresh.identity()
+    old = json.loads((OLD_RUN / "run" / "config.json").read_text())
+    assert RunConfig.from_stored(old).final_eval_train == "auto"
+    assert get_preset("darcy-tiny", ["final_eval_train=3"]).final_eval_train == 3
+    for bad in ("final_eval_train=some", "final_eval_train=0"):
+        with pytest.raises(ValueError, match="final_eval_train must be one of auto, all, none"):
+            get_preset("darcy-tiny", [bad])
+
+
 @pytest.mark.slow
 def test_an_old_run_still_reports_its_ema_error(tmp_path):
     """`evaluate_checkpoint` of a run directory written before eval_weights existed names

@@ -479,6 +479,29 @@ def test_raw_and_ema_weights_are_evaluated_in_one_pass_over_the_data(data, monke
     assert sorted(reads) == list(range(6)) and once["ema"] is once["raw"]
 
 
+def test_a_conditioned_model_streams_where_its_scheme_is_exact(data):
+    """A concat-conditioned model on a store streams its evaluation (eval_chunk_size 9)
+    to the whole-mesh metrics; cross conditioning, whose encodes gather the conditions
+    beside the points, is refused in a sentence saying why. A failure points to
+    ConditionedSurrogate.streaming_plan or the fields task's check of eval_chunk_size."""
+    from flarepp.inference import Engine, Execution
+    store, _, _ = data
+    model = dict(arch="conditioned", conditioning="concat", mixer="flarepp", dim=16, heads=2,
+                 latents=4, blocks=2)
+    task = build_task(config(store.root, model=model, dataset_options={},
+                             eval_chunk_size=9), store.root)
+    torch.manual_seed(0)
+    net = task.build_model().eval()
+    whole = Engine(task, Execution("cpu")).evaluate(net, "train", 4)[0]
+    streamed = Engine(task, Execution("cpu", chunk_size=9)).evaluate(net, "train", 4)[0]
+    assert streamed["per_sample"] == pytest.approx(whole["per_sample"], rel=1e-6)
+    cross = dict(model, conditioning="cross", mixer="flare-cross")
+    with pytest.raises(ValueError, match="model.conditioning='cross' gathers the conditions in "
+                                         "every encode"):
+        build_task(config(store.root, model=cross, dataset_options={}, eval_chunk_size=9),
+                   store.root)
+
+
 def test_evaluation_batches_follow_the_sample_sizes():
     """An evaluation batch holds at most its count of samples and its points budget
     (samples x the longest): small meshes batch, a large one goes alone, and without sizes

@@ -437,3 +437,44 @@ def test_bench_stream_times_each_precision_against_the_first():
         mine = by[(row["chunk_size"], row["precision"])]
         assert row["time_ratio"] == pytest.approx(mine["time_s"] / by[(None, "fp32")]["time_s"])
     assert out["summary"][0]["time_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("scheme", ["concat", "adaln"])
+def test_a_conditioned_model_streams_exactly(scheme):
+    """A conditioned model whose conditions act on each point alone (concat: appended to
+    every point's inputs; adaln: one modulation per sample) streams in chunks of 37 to its
+    unchunked output, and ``stream_above`` streams only a mesh larger than it. A failure
+    points to ConditionedSurrogate.streaming_plan or stream_forward's conditioning."""
+    from flarepp.inference.execution import Execution, predict_tokens
+    torch.manual_seed(0)
+    model = build_model(arch="conditioned", conditioning=scheme, mixer="flarepp", in_dim=3,
+                        out_dim=2, cond_dim=2, cond_tokens=1, dim=16, heads=2, latents=4,
+                        blocks=2).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))   # AdaLN's zero init would hide the conditions
+    batch = {"x": torch.randn(2, 300, 3), "mask": torch.arange(300)[None] < torch.tensor(
+        [[300], [211]]), "conditioning": torch.randn(2, 1, 2)}
+    whole = predict_tokens(model, batch, Execution())
+    for execution in (Execution(chunk_size=37), Execution(stream_above=50)):
+        torch.testing.assert_close(predict_tokens(model, batch, execution), whole,
+                                   rtol=1e-5, atol=1e-5)
+    other = dict(batch, conditioning=batch["conditioning"] + 1)
+    assert not torch.allclose(predict_tokens(model, other, Execution(chunk_size=37)), whole)
+
+
+def test_cross_conditioning_is_refused_saying_why():
+    """Cross FLARE gathers the conditioning tokens in every encode beside the mesh's, so a
+    chunk's partial would count them once per chunk: streaming is refused in a sentence
+    naming that, and ``stream_above`` runs such a model whole instead."""
+    from flarepp.inference.execution import Execution, predict_tokens
+    torch.manual_seed(0)
+    model = build_model(arch="conditioned", conditioning="cross", mixer="flare-cross",
+                        in_dim=3, out_dim=2, cond_dim=2, cond_tokens=1, dim=16, heads=2,
+                        latents=4, blocks=1).eval()
+    batch = {"x": torch.randn(1, 120, 3), "conditioning": torch.randn(1, 1, 2)}
+    with pytest.raises(ValueError, match="would count them once per part"):
+        predict_tokens(model, batch, Execution(chunk_size=40))
+    torch.testing.assert_close(predict_tokens(model, batch, Execution(stream_above=40)),
+                               predict_tokens(model, batch, Execution()))
+
