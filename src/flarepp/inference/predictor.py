@@ -31,7 +31,7 @@ from flarepp.data.layout import ChannelLayout
 from flarepp.data.store import MeshStore
 from flarepp.device import resolve_device
 from flarepp.inference.evaluate import run_data
-from flarepp.inference.execution import Execution, predict_tokens
+from flarepp.inference.execution import STREAM_ABOVE, Execution, predict_tokens
 from flarepp.models.surrogate import Surrogate
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_surrogate
 from flarepp.storage.config import RunConfig
@@ -289,7 +289,9 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
     with the weights the run reports (``weights``: ``raw`` or ``ema`` to choose) and its
     stored normalisers as a :class:`~flarepp.models.surrogate.Surrogate`
     (:func:`~flarepp.storage.checkpoint.rebuild_surrogate`), its input layout, run on
-    ``device`` in its own precision (or ``precision``), streamed by ``chunk_size``.
+    ``device`` in its own precision (or ``precision``), streamed by ``chunk_size`` (unset: a
+    mesh of more than :data:`~flarepp.inference.execution.STREAM_ABOVE` points streamed in
+    chunks of that many, exactly; a smaller one whole).
 
     Raises one sentence for a path that is no run and no checkpoint, and for a run whose
     task does not map mesh points to fields (no stored normalisers)."""
@@ -306,7 +308,8 @@ def load_predictor(path: str | Path, *, device: str | torch.device = "auto",
     if layout.data_layout is None and config.dataset == "store":
         layout = dataclasses.replace(layout, data_layout=_store_layout(state, config, layout))
     return Predictor(surrogate.to(device).eval(),
-                     Execution(device, precision or config.precision, chunk_size=chunk_size),
+                     Execution(device, precision or config.precision, chunk_size=chunk_size,
+                               stream_above=STREAM_ABOVE),
                      layout, config)
 
 
