@@ -688,8 +688,9 @@ class FieldTask(Task):
 
         def pred_row(i: int) -> np.ndarray:
             row = np.zeros((real.shape[1], self.splits.out_dim), np.float32)
-            if i in kept:
-                row[real[i]] = kept[i]
+            pred = kept.get(i)
+            if pred is not None:
+                row[real[i]] = pred
             return row
 
         arrays = {"pred": RowArray((*real.shape, self.splits.out_dim), np.float32, pred_row),
