@@ -34,10 +34,14 @@ from flarepp.threads import ThreadTuner
 
 STREAM_ABOVE = 65536
 """Points of a sample evaluated or predicted whole when no chunk is asked for: a larger one
-streams in chunks of this many, exactly (``Execution(stream_above=...)``; the trainer's and
-``flarepp eval``'s evaluation, ``flarepp infer``, ``--write-mesh`` and ``flarepp.load``).
-64K points of a 128-wide model hold 32 MiB per hidden-state copy: a step's working set
-small beside any mesh worth streaming, and a mesh below it is no slower whole."""
+streams in chunks of :data:`STREAM_CHUNK`, exactly (``Execution(stream_above=...)``; the
+trainer's and ``flarepp eval``'s evaluation, ``flarepp infer``, ``--write-mesh`` and
+``flarepp.load``). A mesh below it is no slower whole, and its activations are small."""
+
+STREAM_CHUNK = 16384
+"""The chunk a sample above ``stream_above`` streams in: 16K points keep a pass's working
+set in the CPU's caches (600K points of ``store-tiny``'s model: 23-26 s in chunks of 16K,
+30 s of 8K, 33-35 s of 32K or 64K and whole, one thread)."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,10 @@ class Execution:
     rank runs its contiguous shard of each sample's tokens and gets all of them back; the
     model must be wrapped by :func:`~flarepp.distributed.context_parallel` on every rank);
     streamed ``chunk_size`` tokens at a time (exact), or, with ``chunk_size`` unset, only a
-    sample of more than ``stream_above`` tokens, in chunks of that many (a model that cannot
-    stream then runs whole: :func:`predict_tokens`); a streamed sample's hidden state
-    placed by ``hidden_on`` (``auto``, ``device``, ``host``, ``memmap``, in ``memmap_dir``)
-    with a ``progress`` bar (:func:`~flarepp.distributed.stream_forward`); ``threads``
+    sample of more than ``stream_above`` tokens, in chunks of :data:`STREAM_CHUNK` (a
+    model that cannot stream then runs whole: :func:`chunk_for`); a streamed sample's
+    hidden state placed by ``hidden_on`` (``auto``, ``device``, ``host``, ``memmap``, in
+    ``memmap_dir``) with a ``progress`` bar (:func:`~flarepp.distributed.stream_forward`); ``threads``
     times each forward to choose the CPU threads (:mod:`flarepp.threads`)."""
 
     device: torch.device = HOST
@@ -129,16 +133,17 @@ def _forward(module: nn.Module, x: torch.Tensor, mask: torch.Tensor | None,
 def chunk_for(module: nn.Module, tokens: int, conditioning: torch.Tensor | None,
               execution: Execution) -> int | None:
     """The chunk ``predict_tokens`` streams ``tokens`` tokens of ``module`` in, or None for a
-    plain forward: ``execution.chunk_size`` when set; else ``stream_above`` for a sample
-    larger than it whose model can stream (:func:`~flarepp.distributed.streaming_refusal`,
-    with its ``conditioning`` tokens where it has them)."""
+    plain forward: ``execution.chunk_size`` when set; else :data:`STREAM_CHUNK` (at most
+    ``stream_above``) for a sample larger than ``stream_above`` whose model can stream
+    (:func:`~flarepp.distributed.streaming_refusal`, with its ``conditioning`` tokens where
+    it has them)."""
     if execution.chunk_size is not None:
         return execution.chunk_size
     above = execution.stream_above
     if above is None or tokens <= above or streaming_refusal(
             module, conditioned=conditioning is not None) is not None:
         return None
-    return above
+    return min(above, STREAM_CHUNK)
 
 
-__all__ = ["Execution", "chunk_for", "predict_tokens"]
+__all__ = ["STREAM_ABOVE", "STREAM_CHUNK", "Execution", "chunk_for", "predict_tokens"]

@@ -132,8 +132,8 @@ class RunConfig:
     ``cuda:K``; ``loader_workers`` -1 means 2 worker processes on CUDA and none on the CPU
     (where they would compete with the compute for the cores); ``eval_chunk_size`` streams
     evaluation meshes in chunks of that many points (exact; unset: a mesh of up to 65,536
-    points is evaluated whole, a larger one streamed in chunks of 65,536,
-    :data:`flarepp.inference.execution.STREAM_ABOVE`); ``final_eval_train`` says which
+    points is evaluated whole, a larger one streamed in chunks of 16,384,
+    :data:`flarepp.inference.execution.STREAM_ABOVE`, ``STREAM_CHUNK``); ``final_eval_train`` says which
     training samples the end of the run evaluates (the test split always, every sample):
     ``all``, ``none``, a count N (N evenly spaced samples) or ``auto`` (every one when the
     training split holds at most 8M points, else an evenly spaced subsample of about 8M
