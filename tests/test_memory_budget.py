@@ -261,7 +261,8 @@ def test_an_evaluation_killed_by_a_failed_allocation_resumes_to_the_end(store, t
         "the end-of-run evaluation"
     assert str(info.value) == (
         f"out of memory in {what} (an allocation of 468 MiB failed): bound it with "
-        "eval_chunk_size (now unset: each mesh whole) or batch_size (now 2); the run "
+        "eval_chunk_size (now unset: a mesh whole up to 65536 points, streamed above) or "
+        "batch_size (now 2); the run "
         f"continues from {str(checkpoint)!r} with the same command and --resume")
     assert not (out / "metrics.json").exists()
 
