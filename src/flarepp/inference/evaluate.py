@@ -84,6 +84,18 @@ def final_eval_samples(option: str | int, sizes: np.ndarray | None, count: int
     return chosen, f"train: {len(chosen)} of {count} samples, evenly spaced ({why})"
 
 
+def final_eval_sets(task: Task, option: str | int, splits: tuple[str, ...]
+                    ) -> dict[str, tuple[np.ndarray | None, str]]:
+    """``{split: (indices or None for every one, a phrase saying which)}`` of the samples an
+    end-of-run evaluation covers: every sample of each split, the training split's chosen
+    by ``final_eval_train`` ``option`` (:func:`final_eval_samples`)."""
+    sets = {name: (None, f"{name}: all {task.num_samples(name)} samples") for name in splits}
+    if "train" in sets:
+        sets["train"] = final_eval_samples(option, task.sample_sizes("train"),
+                                           task.num_samples("train"))
+    return sets
+
+
 def evaluate_weights(engine: Engine, split: str, batch_size: int,
                      models: dict[str, torch.nn.Module], *, same: bool = False,
                      indices: np.ndarray | None = None, keep: KeptPredictions | None = None
@@ -146,10 +158,7 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
     models = {"raw": model, "ema": rebuild_model(state, path, ema=True).to(device)}
     precision = precision or config.precision
     workers = config.workers(device.type)
-    splits = splits or task.eval_splits
-    chosen = {split: final_eval_samples(config.final_eval_train, task.sample_sizes(split),
-                                        task.num_samples(split)) if split == "train"
-              else (None, "") for split in splits}
+    chosen = final_eval_sets(task, config.final_eval_train, splits or task.eval_splits)
     forwards = sum(-(-(task.num_samples(split) if indices is None else len(indices))
                      // task.eval_batch_size()) for split, (indices, _) in chosen.items()
                    ) * (1 if config.ema_decay == 0 else 2)
@@ -163,14 +172,13 @@ def evaluate_checkpoint(path: str | Path, *, data_root: str | Path | None = None
             context_parallel(each, parallel.cp_group)
     metrics: dict[str, Any] = {}
     with threads:  # the thread count it times is put back at the end
-        for split, (indices, which) in chosen.items():
-            if indices is not None and len(indices) == 0:
-                continue
-            results = evaluate_weights(engine, split, task.eval_batch_size(), models,
-                                       same=config.ema_decay == 0, indices=indices)
-            by_weights = {w: result for w, (result, _) in results.items()}
-            metrics.update(weight_metrics(split, task.headline, by_weights,
-                                          config.eval_weights, task.reported))
+        for split, (indices, _) in chosen.items():
+            if indices is None or len(indices):   # final_eval_train=none: no train metrics
+                results = evaluate_weights(engine, split, task.eval_batch_size(), models,
+                                           same=config.ema_decay == 0, indices=indices)
+                metrics.update(weight_metrics(split, task.headline,
+                                              {w: r for w, (r, _) in results.items()},
+                                              config.eval_weights, task.reported))
     if "train" in chosen:
         metrics["final_eval_train"] = final_eval_record(config.final_eval_train,
                                                         *chosen["train"],
@@ -219,5 +227,5 @@ def write_checkpoint_outputs(path: str | Path, out_dir: str | Path, *,
 
 
 __all__ = ["FINAL_EVAL_TRAIN_POINTS", "evaluate_checkpoint", "evaluate_weights",
-           "final_eval_record", "final_eval_samples", "load_for_evaluation", "weight_metrics",
-           "write_checkpoint_outputs"]
+           "final_eval_record", "final_eval_samples", "final_eval_sets", "load_for_evaluation",
+           "weight_metrics", "write_checkpoint_outputs"]

@@ -56,7 +56,7 @@ from flarepp.inference.batching import (epoch_keys, global_batches, make_loader,
                                         steps_per_epoch, to_device_prefetched)
 from flarepp.inference.engine import Engine, KeptPredictions
 from flarepp.inference.execution import STREAM_ABOVE, Execution
-from flarepp.inference.evaluate import (evaluate_weights, final_eval_record, final_eval_samples,
+from flarepp.inference.evaluate import (evaluate_weights, final_eval_record, final_eval_sets,
                                         weight_metrics)
 from flarepp.models.backbone import compile_model
 from flarepp.rank_growth import grow_latents
@@ -594,12 +594,7 @@ class Trainer:
         that pass, ``metrics.json``, the figures; returns the metrics."""
         task, chosen = self.task, self.config.eval_weights
         headline, split = task.headline, task.eval_splits[0]
-        sets = {name: (None, f"{name}: all {task.num_samples(name)} samples")
-                for name in task.eval_splits}
-        if "train" in sets:
-            sets["train"] = final_eval_samples(self.config.final_eval_train,
-                                               task.sample_sizes("train"),
-                                               task.num_samples("train"))
+        sets = final_eval_sets(task, self.config.final_eval_train, task.eval_splits)
         self.say("end-of-run evaluation: " + "; ".join(which for _, which in sets.values()))
         directory = self.out_dir if self.is_writer else None
         with self._stage("end-of-run evaluation"), KeptPredictions(
