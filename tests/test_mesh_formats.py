@@ -275,6 +275,36 @@ def test_a_file_declaring_more_rows_than_allowed_is_refused_before_reading(tmp_p
         read_mesh(tmp_path / name, max_rows=1000)
 
 
+@pytest.mark.parametrize("block", [5, 13, 64, 1 << 23])
+def test_declarations_are_found_across_the_blocks_the_file_is_read_in(tmp_path, monkeypatch,
+                                                                      block):
+    """declared_rows reads a file in blocks and tries its pattern only where a declaration's
+    word starts: declarations at every offset against the block boundaries (pieces of a
+    VTU, a legacy file's keyword lines, Gmsh sections) are each counted once, and the near
+    misses (a word inside another, a keyword not at a line's start) not at all. A failure
+    points to a declaration lost or counted twice at a block boundary."""
+    from flarepp.data import meshes
+    monkeypatch.setattr(meshes, "SCAN_BLOCK", block)
+    monkeypatch.setattr(meshes, "SCAN_TAIL", 48)
+    rng = np.random.default_rng(block)
+
+    def filler():
+        return bytes(rng.choice(list(b"ab 01\n"), int(rng.integers(0, 30))))
+
+    texts = {"vtu": (lambda k: b'<Piece NumberOfPoints="%d" NumberOfCells="7">' % k,
+                     b'xNumberOfPoints="999999"'),
+             "vtk": (lambda k: b"\nPOINTS %d float\nCELLS 7 28\n" % k, b" POINTS 999999 x"),
+             "gmsh": (lambda k: b"\n$Nodes\n1 %d 1 %d\n$Elements\n7\n" % (k, k),
+                      b" $Nodes\n999999\n")}
+    for fmt, (declaration, near_miss) in texts.items():
+        sizes = rng.integers(10, 100, 12)
+        content = b"".join(filler() + declaration(int(k)) + filler() + near_miss
+                           for k in sizes)
+        path = tmp_path / f"declares.{fmt}"
+        path.write_bytes(content)
+        assert meshes.declared_rows(path, fmt) == sizes.sum(), fmt
+
+
 def test_a_mesh_read_over_the_bound_or_naming_missing_points_is_refused(tmp_path):
     import pyvista as pv
     from flarepp.data.meshes import MeshTooLarge

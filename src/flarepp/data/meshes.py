@@ -134,16 +134,59 @@ DECLARED_SIZES = {
 legacy VTK keyword lines, Gmsh section counts), which the readers allocate before reading
 the data itself."""
 
+DECLARATION_WORDS = {"vtu": (b"NumberOf",), "vtp": (b"NumberOf",),
+                     "vtk": (b"POINTS", b"CELLS", b"POLYGONS", b"VERTICES", b"LINES",
+                             b"TRIANGLE_STRIPS", b"POINT_DATA", b"CELL_DATA", b"DIMENSIONS"),
+                     "gmsh": (b"$Nodes", b"$Elements")}
+"""The words every declaration of :data:`DECLARED_SIZES` starts with: the file is searched
+for them (a fast substring search) and the pattern tried only there, where trying it at
+every byte of a file took as long as VTK's reading it."""
+
+SCAN_BLOCK = 1 << 23
+"""Bytes of a mesh file :func:`declared_rows` holds at a time (the file is read in blocks,
+never whole)."""
+
+SCAN_TAIL = 1 << 16
+"""The longest declaration :func:`declared_rows` reads whole across two blocks: one
+starting in a block's last ``SCAN_TAIL`` bytes is tried again with the next block."""
+
+
+def _declarations(path: Path, fmt: str):
+    """The matches of ``fmt``'s :data:`DECLARED_SIZES` pattern in the file ``path``, each
+    tried where one of its :data:`DECLARATION_WORDS` starts, the file read in blocks of
+    :data:`SCAN_BLOCK` bytes (a word in a block's last :data:`SCAN_TAIL` bytes is tried
+    with the next block)."""
+    pattern, words = DECLARED_SIZES[fmt], DECLARATION_WORDS[fmt]
+    with open(path, "rb") as file:
+        data, start = b"", 0       # data[start:] is unsearched; data[start - 1] precedes it
+        while True:
+            block = file.read(SCAN_BLOCK)
+            data += block
+            end = len(data) - SCAN_TAIL if block else len(data)
+            starts: set[int] = set()
+            for word in words if end > start else ():   # occurrences starting in [start, end)
+                i = data.find(word, start, end + len(word) - 1)
+                while i >= 0:
+                    starts.add(i)
+                    i = data.find(word, i + 1, end + len(word) - 1)
+            for i in sorted(starts):
+                found = pattern.match(data, i)
+                if found is not None:
+                    yield found
+            if not block:
+                return
+            if end > start:
+                data, start = data[end - 1:], 1
+
 
 def declared_rows(path: Path, fmt: str) -> int:
     """The most rows (points, cells or a legacy file's grid ``DIMENSIONS``) the file
     ``path`` of format ``fmt`` declares, summed over its pieces; 0 for a format whose
     sizes are not read here."""
-    pattern = DECLARED_SIZES.get(fmt)
-    if pattern is None:
+    if fmt not in DECLARED_SIZES:
         return 0
     totals: dict[bytes, int] = {}
-    for found in pattern.finditer(path.read_bytes()):
+    for found in _declarations(path, fmt):
         numbers = [int(n) for n in found.group(2).split()]
         key = found.group(1)
         size = (int(np.prod(numbers, dtype=object)) if key == b"DIMENSIONS"
