@@ -203,6 +203,50 @@ def test_warped_cells_are_the_fan_polyhedra_and_tile_their_mesh(name):
     assert geometry.measures.sum() == pytest.approx(abs(enclosed), rel=1e-12)
 
 
+def _random_cells(cell_type: int, count: int, rng) -> np.ndarray:
+    """``[count, corners, 3]``: VTK's reference cell of ``cell_type`` scaled, turned and
+    moved at random, every vertex jittered by a fifth of the cell's size."""
+    from vtkmodules.vtkCommonDataModel import vtkGenericCell
+    reference = vtkGenericCell()
+    reference.SetCellType(cell_type)
+    corners = reference.GetNumberOfPoints()
+    unit = np.asarray(reference.GetParametricCoords()).reshape(corners, 3)
+    turns = np.linalg.qr(rng.standard_normal((count, 3, 3)))[0]
+    x = np.einsum("cij,cnj->cni", turns * rng.uniform(0.5, 2, (count, 1, 1)),
+                  unit + rng.uniform(-0.2, 0.2, (count, corners, 3)))
+    return x + rng.uniform(-50, 50, (count, 1, 3))
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_VOLUME_TYPES))
+def test_random_cells_of_every_linear_type_match_the_per_triangle_fans(name, monkeypatch):
+    """Disjoint random cells (:func:`_random_cells`: no two alike, faces far from
+    planar) over several chunks, once alone (consecutive chunks) and once interleaved with
+    cells of another type: centres and volumes equal the cell-by-cell fan reference (every
+    fan triangle's own 3x3 determinant, tetrahedra from the cell's vertex mean) to 1e-12
+    relative. A failure points to the shared edges of the fast path (a cross product's
+    sign, a triangle dotted with the wrong edge or point) or its vertex weights."""
+    import pyvista as pv
+    from flarepp.data import meshes
+    monkeypatch.setattr(meshes, "CHUNK_VOLUME_CELLS", 16)
+    cell_type = LINEAR_VOLUME_TYPES[name]
+    other = 14 if cell_type == 10 else 10
+    rng = np.random.default_rng(cell_type)
+    x, y = _random_cells(cell_type, 2 * 16 + 7, rng), _random_cells(other, 20, rng)
+    cells = [x[i] for i in range(len(x))] + [y[i] for i in range(len(y))]
+    types = np.array([cell_type] * len(x) + [other] * len(y), np.uint8)
+    mixed = rng.permutation(len(cells))
+    for order in (np.arange(len(x)), mixed):
+        first = np.cumsum([0] + [len(cells[i]) for i in order])
+        grid = pv.UnstructuredGrid(
+            np.concatenate([[len(cells[i]), *range(first[k], first[k + 1])]
+                            for k, i in enumerate(order)]),
+            types[order], np.concatenate([cells[i] for i in order]))
+        geometry = cell_geometry(grid, name)
+        centres, volumes = fan_reference(grid)
+        np.testing.assert_allclose(geometry.measures, volumes, rtol=1e-12)
+        np.testing.assert_allclose(geometry.centres, centres, rtol=1e-12, atol=50e-12)
+
+
 def test_mixed_cells_an_inside_out_cell_and_quadratic_cells_in_one_mesh():
     """One grid of tetrahedra, hexahedra, wedges and pyramids (warped), a hexahedron
     numbered inside out (top and bottom swapped) and quadratic tetrahedra (VTK's
