@@ -710,20 +710,16 @@ def _shared_edges(n: int, face_weights: np.ndarray, triangles: np.ndarray) -> Fa
     fan triangle's own face edge, a triangular face's an edge already chosen where it has
     one (fans first), so that the fewest cross products serve all."""
     edges: list[tuple[int, int]] = []
-    opposite, edge_of, signs = [], [], []
+    opposite_T, edge_of_T = np.zeros(len(triangles), int), np.zeros(len(triangles), int)
+    sign_T = np.zeros(len(triangles))
     for t in sorted(range(len(triangles)), key=lambda t: bool((triangles[t] < n).all())):
         a, b, c = (int(i) for i in triangles[t])
         turns = [(p, q, r) for p, q, r in ((a, b, c), (b, c, a), (c, a, b)) if p < n and q < n]
         p, q, r = next((turn for turn in turns if tuple(sorted(turn[:2])) in edges), turns[0])
-        if tuple(sorted((p, q))) not in edges:
+        if (min(p, q), max(p, q)) not in edges:
             edges.append((min(p, q), max(p, q)))
-        opposite.append((t, r))
-        edge_of.append((t, edges.index((min(p, q), max(p, q)))))
-        signs.append((t, 1.0 if p < q else -1.0))
-    order = np.argsort([t for t, _ in opposite])
-    opposite_T = np.asarray([r for _, r in opposite])[order]
-    edge_of_T = np.asarray([k for _, k in edge_of])[order]
-    sign_T = np.asarray([s for _, s in signs])[order]
+        opposite_T[t], edge_of_T[t] = r, edges.index((min(p, q), max(p, q)))
+        sign_T[t] = 1.0 if p < q else -1.0
     incidence = np.zeros((n + len(face_weights), len(triangles)))
     for t, triangle in enumerate(triangles):
         incidence[triangle, t] = 1.0
