@@ -220,10 +220,10 @@ def _random_cells(cell_type: int, count: int, rng) -> np.ndarray:
 @pytest.mark.parametrize("name", sorted(LINEAR_VOLUME_TYPES))
 def test_random_cells_of_every_linear_type_match_the_per_triangle_fans(name, monkeypatch):
     """Disjoint random cells (:func:`_random_cells`: no two alike, faces far from
-    planar) over several chunks, once alone (consecutive chunks) and once interleaved with
-    cells of another type: centres and volumes equal the cell-by-cell fan reference (every
-    fan triangle's own 3x3 determinant, tetrahedra from the cell's vertex mean) to 1e-12
-    relative. A failure points to the shared edges of the fast path (a cross product's
+    planar) over several chunks: alone, after a block of cells of another type (one run
+    of the connectivity, not from the first cell) and interleaved with them: centres and
+    volumes equal the cell-by-cell fan reference (every fan triangle's own 3x3
+    determinant, tetrahedra from the cell's vertex mean) to 1e-12 relative. A failure points to the shared edges of the fast path (a cross product's
     sign, a triangle dotted with the wrong edge or point) or its vertex weights."""
     import pyvista as pv
     from flarepp.data import meshes
@@ -235,7 +235,7 @@ def test_random_cells_of_every_linear_type_match_the_per_triangle_fans(name, mon
     cells = [x[i] for i in range(len(x))] + [y[i] for i in range(len(y))]
     types = np.array([cell_type] * len(x) + [other] * len(y), np.uint8)
     mixed = rng.permutation(len(cells))
-    for order in (np.arange(len(x)), mixed):
+    for order in (np.arange(len(x)), np.arange(len(cells))[::-1], mixed):
         first = np.cumsum([0] + [len(cells[i]) for i in order])
         grid = pv.UnstructuredGrid(
             np.concatenate([[len(cells[i]), *range(first[k], first[k + 1])]
