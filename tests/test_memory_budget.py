@@ -16,8 +16,9 @@ from flarepp.storage.config import RunConfig
 from flarepp.tasks.fields import FieldTask
 from flarepp.train import Trainer, get_preset
 from flarepp.train import budget
-from flarepp.train.budget import (CHUNK_MIN, DataExtent, MemoryBudgetTooSmall, MemoryPlan,
-                                  limit_budget)
+from flarepp.inference.execution import STREAM_CHUNK
+from flarepp.train.budget import (CHUNK_MIN, PARAMETER_COPIES, DataExtent, MemoryBudgetTooSmall,
+                                  MemoryPlan, limit_budget)
 from flarepp.train.callbacks import TrainerCallback
 
 MIB, GIB = 2 ** 20, 2 ** 30
@@ -122,12 +123,23 @@ def test_a_budget_chooses_points_per_step_chunk_and_workers(held):
     assert "dataset_options.points_per_step" not in _plan(2).chosen
 
     evaluated = plan.plan_evaluation(planned, _model(config), 4, torch.device("cuda"))
-    chunk = evaluated.eval_chunk_size
-    assert chunk & (chunk - 1) == 0 and CHUNK_MIN <= chunk < 400_000
+    # unset, a 400K-point mesh streams in STREAM_CHUNK (the engine's default), which fits
+    assert evaluated.eval_chunk_size is None and "eval_chunk_size" not in plan.chosen
     room = plan.budget - plan.held
-    assert plan.evaluation_bytes(evaluated, 4, chunk) <= room
-    assert plan.evaluation_bytes(evaluated, 4, None) > room
+    streamed = plan.evaluation_bytes(evaluated, 4, None)
+    assert streamed == plan.evaluation_bytes(evaluated, 4, STREAM_CHUNK) <= room
+    assert plan.evaluation_bytes(evaluated, 4, None, streams=False) > 2 * streamed
     assert evaluated.loader_workers in (0, 1, 2)   # of CUDA's default 2, those that fit
+    # where the default chunk does not fit, the largest power of two that does is chosen
+    small = get_preset("store-tiny", ["dataset_options.points_per_step=1024"])
+    model = _model(config)
+    held_after = HELD + (PARAMETER_COPIES - 1) * sum(p.numel() * p.element_size()
+                                                      for p in model.parameters())
+    between = (plan.evaluation_bytes(small, 4, 4096) + plan.evaluation_bytes(small, 4, 8192)) // 2
+    tight = MemoryPlan(held_after + between, "--memory-budget",
+                       DataExtent(400_000, 400_000, in_dim=3, out_dim=37), HELD)
+    assert tight.plan_evaluation(small, model, 4, torch.device("cpu")).eval_chunk_size == 4096
+    assert tight.chosen["eval_chunk_size"] == 4096
     assert plan.peak() <= plan.budget
     whole = _plan(64, eval_points=1000).plan_evaluation(config, _model(config), 4,
                                                          torch.device("cpu"))
@@ -191,7 +203,8 @@ def test_a_stated_budget_is_said_recorded_and_refused_by_the_cli(store, tmp_path
     assert len(lines) == 1, lines
     assert ("(--memory-budget): estimated peak" in lines[0]
             and "dataset_options.points_per_step=256 (chosen)" in lines[0]
-            and "eval_chunk_size=each mesh whole" in lines[0]
+            and "eval_chunk_size=unset: a mesh whole up to 65,536 points, streamed in "
+                "16,384 above (default)" in lines[0]
             and "loader_workers=0 (chosen)" in lines[0]), lines[0]
     metrics = json.loads((out / "metrics.json").read_text())
     plan = metrics["memory_plan"]

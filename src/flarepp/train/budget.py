@@ -12,9 +12,11 @@ starts (:class:`MemoryPlan`, called from the trainer's setup):
 * ``dataset_options.points_per_step`` -- only where the user left it unset, the data is a
   store and a training step on whole samples does not fit: the largest power of two that
   fits (on ``--resume``, the value the run trained with);
-* ``eval_chunk_size`` -- where unset: each mesh whole if that fits, else the largest power
-  of two (at most :data:`CHUNK_MAX`) whose streamed evaluation fits, with the hidden state
-  in a memory-mapped file where it does not fit in memory (``hidden_on="memmap"``);
+* ``eval_chunk_size`` -- where unset: the engine's default (a mesh whole up to
+  ``STREAM_ABOVE`` points, streamed in ``STREAM_CHUNK`` above) if that fits, else the
+  largest power of two (at most :data:`CHUNK_MAX`) whose streamed evaluation fits, with the
+  hidden state in a memory-mapped file where it does not fit in memory
+  (``hidden_on="memmap"``);
 * ``loader_workers`` -- where automatic (-1): the most of the device's default count that
   fit.
 
@@ -39,7 +41,9 @@ input and output channels, B samples of n points)::
                                              trainer's pages again, and 2 prefetched batches
 
 with n the widest sample of the split (``points_per_step`` for training steps), B the
-``batch_size`` (a step) or the task's evaluation batch, K the chunk. ``I + 3 O``: inputs,
+``batch_size`` (a step) or the samples of an evaluation batch (at most
+``EVAL_BATCH_POINTS`` padded points: one large mesh at a time), K the chunk (unset: a mesh
+above ``STREAM_ABOVE`` points streams in chunks of ``STREAM_CHUNK``). ``I + 3 O``: inputs,
 targets, predictions and one temporary of the metric. The widths are floats per point,
 per block, in units of C, measured on the ``store-tiny`` preset (FLARE++, C = 64, L = 3,
 H M = 2 C; docs/data.md, "Larger than memory"): its peak resident memory (``/usr/bin/time
@@ -68,6 +72,8 @@ from flarepp.allocator import format_bytes
 from flarepp.data.store import MANIFEST, MeshStore
 from flarepp.device import HOST, memory_bounds
 from flarepp.distributed.streaming import hidden_state_bytes, streaming_refusal
+from flarepp.inference.engine import EVAL_BATCH_POINTS
+from flarepp.inference.execution import STREAM_ABOVE, STREAM_CHUNK
 from flarepp.storage.config import RunConfig, field_default, model_config_class
 from flarepp.train.checks import dataset_takes
 
@@ -197,11 +203,20 @@ class MemoryPlan:
             TRAIN_WIDTHS * blocks * dim + e.in_dim + 3 * e.out_dim)
 
     def evaluation_bytes(self, config: RunConfig, samples: int, chunk: int | None,
-                         hidden_on: str = "auto") -> int:
+                         hidden_on: str = "auto", *, streams: bool = True) -> int:
+        """The evaluation's bytes (module docstring) of a batch of ``samples`` of the widest
+        mesh, cut as the engine cuts it (at most ``EVAL_BATCH_POINTS`` padded points, one
+        large mesh at a time), in chunks of ``chunk`` points; an unset ``chunk`` streams a
+        mesh above ``STREAM_ABOVE`` points in chunks of ``STREAM_CHUNK`` where the model
+        ``streams`` (:func:`flarepp.inference.execution.chunk_for`)."""
         dim, _ = self.widths(config)
         e = self.extent
         points = e.eval_points
+        # the engine's batches hold at most EVAL_BATCH_POINTS padded points (one large mesh)
+        samples = max(1, min(samples, EVAL_BATCH_POINTS // max(points, 1)))
         arrays = samples * points * FLOAT_BYTES * (e.in_dim + 3 * e.out_dim)
+        if chunk is None and streams and points > STREAM_ABOVE:
+            chunk = STREAM_CHUNK        # an unset chunk streams a mesh above STREAM_ABOVE
         if chunk is None:
             return arrays + samples * points * FLOAT_BYTES * EVAL_WIDTHS * dim
         hidden = 0 if hidden_on == "memmap" else hidden_state_bytes(samples, points, dim)
@@ -283,7 +298,9 @@ class MemoryPlan:
         room = self.budget - self.held - self._workers_bytes(config, workers)
         chunk = config.eval_chunk_size
         refusal = streaming_refusal(model)
-        if chunk is None and self.evaluation_bytes(config, samples, None) > room:
+        streams = refusal is None
+        if chunk is None and self.evaluation_bytes(config, samples, None,
+                                                   streams=streams) > room:
             if refusal is not None:
                 self.notes.append("evaluated whole: the model cannot stream")
             else:
@@ -295,7 +312,7 @@ class MemoryPlan:
         if chunk is not None and self.evaluation_bytes(config, samples, chunk) > room:
             self.hidden_on = "memmap"
             self.chosen["hidden_on"] = self.hidden_on
-        need = self.evaluation_bytes(config, samples, chunk, self.hidden_on)
+        need = self.evaluation_bytes(config, samples, chunk, self.hidden_on, streams=streams)
         if need > room and refusal is None:
             bounds = ["eval_chunk_size"] if chunk is not None else ["eval_chunk_size",
                                                                      "batch_size"]
@@ -339,14 +356,16 @@ class MemoryPlan:
         """The console line: the budget, the estimated peak, every size and its origin."""
         sizes = []
         for key, unset in (("dataset_options.points_per_step", "whole samples"),
-                           ("eval_chunk_size", "each mesh whole"),
+                           ("eval_chunk_size", f"unset: a mesh whole up to {STREAM_ABOVE:,} points, "
+                                              f"streamed in {STREAM_CHUNK:,} above"),
                            ("loader_workers", None)):
             section, _, name = key.rpartition(".")
             if section and not dataset_takes(config, name):
                 continue
             value = (config.dataset_options if section else vars(config)).get(name)
             shown = unset if value is None else f"{value:,}" if isinstance(value, int) else value
-            sizes.append(f"{key}={shown} ({'chosen' if key in self.chosen else 'given'})")
+            origin = "chosen" if key in self.chosen else "default" if value is None else "given"
+            sizes.append(f"{key}={shown} ({origin})")
         if "hidden_on" in self.chosen:
             sizes.append("the streamed hidden state in a memory-mapped file")
         data = "" if self.extent is not None else "; the data is not a store: only the " \
