@@ -141,3 +141,22 @@ def test_far_outside_test_inputs_warn_when_the_task_is_built(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # raw inputs are not in std units: not checked
         FieldTask(config(data, input_norm="none"), data)
+
+
+def test_evaluation_norms_are_summed_in_blocks_of_rows(monkeypatch):
+    """The per-sample norms of the evaluation (relative L2, the target's norm, the absolute
+    error) are float64 sums over blocks of rows, equal to the explicit whole-sample float64
+    formula with a mask, so a million-row sample never has a float64 copy of its fields."""
+    from flarepp.tasks import fields
+    monkeypatch.setattr(fields, "NORM_ROWS", 7)
+    gen = torch.Generator().manual_seed(0)
+    pred, true = torch.randn(3, 50, 4, generator=gen), torch.randn(3, 50, 4, generator=gen)
+    mask = torch.rand(3, 50, generator=gen) > 0.3
+    err, ref = fields.squared_norms(pred, true, mask)
+    real = mask[..., None].double()
+    want_err = ((pred - true).double().square() * real).sum((1, 2))
+    want_ref = (true.double().square() * real).sum((1, 2))
+    torch.testing.assert_close(err, want_err, rtol=1e-14, atol=0)
+    torch.testing.assert_close(ref, want_ref, rtol=1e-14, atol=0)
+    torch.testing.assert_close(fields.relative_l2(pred, true, mask),
+                               (want_err / want_ref).sqrt(), rtol=1e-14, atol=0)

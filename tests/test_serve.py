@@ -342,8 +342,8 @@ def test_concurrent_clients_each_get_their_own_exact_answer(server, reference):
 @pytest.mark.slow
 def test_a_request_above_the_chunk_streams_exactly(server, reference):
     """10000 cells with a chunk of 4096 for the surface run (a streamable backbone):
-    streamed, equal to the whole forward (1e-6); the conditioned run's architecture cannot
-    stream (its metadata says why), so its 10000 points run whole, exactly too."""
+    streamed, equal to the whole forward (1e-6); the conditioned run (concat conditioning,
+    which streams exactly) too, both models' metadata saying so."""
     rng = np.random.default_rng(3)
     cells = rng.random((10_000, 6), dtype=np.float32)
     got = infer(grpc_client, server, "car", {"points": cells[:, :3], "features": cells[:, 3:]})
@@ -354,8 +354,7 @@ def test_a_request_above_the_chunk_streams_exactly(server, reference):
     assert_same(got, reference["elastic"].predict(x, conditions=c))
     layouts = {m: json.loads(request(server, f"/v2/models/{m}")[1])["parameters"]["layout"]
                for m in ("car", "elastic")}
-    assert layouts["car"]["streaming"] == "supported"
-    assert "'conditioned' is not known to be pointwise" in layouts["elastic"]["streaming"]
+    assert layouts["car"]["streaming"] == layouts["elastic"]["streaming"] == "supported"
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import flarepp
-from flarepp.inference.execution import Execution, predict_tokens
+from flarepp.inference.execution import STREAM_ABOVE, Execution, predict_tokens
 from flarepp.inference.infer import predict_cases, read_cases
 from flarepp.models import Surrogate, UnitMaps, model_from_config
 from flarepp.storage.checkpoint import read_checkpoint, rebuild_surrogate
@@ -79,8 +79,8 @@ def test_surrogate_is_the_model_between_its_maps():
 
 def test_a_streamed_or_batched_surrogate_equals_its_plain_forward():
     """``predict_tokens`` of a surrogate streamed in chunks of 5 and 23 tokens (the maps
-    inside the streaming plan) equals its plain forward; a model with conditioning tokens
-    refuses streaming in a sentence."""
+    inside the streaming plan) equals its plain forward; conditioning tokens given to a
+    model that takes none refuse streaming in a sentence."""
     surrogate = Surrogate(tiny_model(), **MAPS)
     x, mask = padded_inputs()
     plain = predict_tokens(surrogate, {"x": x, "mask": mask}, Execution())
@@ -88,7 +88,8 @@ def test_a_streamed_or_batched_surrogate_equals_its_plain_forward():
         streamed = predict_tokens(surrogate, {"x": x, "mask": mask},
                                   Execution(chunk_size=chunk))
         torch.testing.assert_close(streamed, plain, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="a model with conditioning tokens runs unchunked"):
+    with pytest.raises(ValueError, match="takes no conditioning tokens, so it cannot be "
+                       "streamed with them"):
         predict_tokens(surrogate, {"x": x, "conditioning": torch.zeros(2, 1, 2)},
                        Execution(chunk_size=5))
 
@@ -124,7 +125,7 @@ def test_an_old_run_loads_as_a_surrogate_to_its_stored_predictions(tmp_path):
     np.testing.assert_array_equal(surrogate.input_shift.numpy(), stored["x"]["mean"])
     predictor = flarepp.load(old / "run", device="cpu")
     assert isinstance(predictor.surrogate, Surrogate)
-    assert predictor.execution == Execution("cpu", "fp32")
+    assert predictor.execution == Execution("cpu", "fp32", stream_above=STREAM_ABOVE)
     result, = predict_cases(predictor, read_cases(predictor, old / "data"))
     with np.load(old / "run" / "test_predictions.npz") as written:
         np.testing.assert_allclose(result["pred"], written["pred"], rtol=1e-5, atol=1e-8)

@@ -430,11 +430,12 @@ def streaming_refusal(model: nn.Module, *, conditioned: bool = False) -> str | N
     """Why :func:`stream_forward` cannot stream ``model`` (a mixer or architecture that is
     not token-shardable, or no ``streaming_plan()``; ``conditioned``: with conditioning
     tokens, a model whose own ``streaming_refusal()`` gives a reason, or one that takes
-    none), as its error says it; None when it can."""
+    none: its ``takes_conditioning``, else whether it declares ``streaming_refusal()``), as
+    its error says it; None when it can."""
     own = getattr(model, "streaming_refusal", None)
     if own is not None and own() is not None:
         return f"stream_forward: {own()}"
-    if conditioned and own is None:
+    if conditioned and not getattr(model, "takes_conditioning", own is not None):
         return (f"stream_forward: {type(model).__name__} takes no conditioning tokens, so it "
                 "cannot be streamed with them")
     try:

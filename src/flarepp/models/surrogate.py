@@ -117,6 +117,13 @@ class Surrogate(UnitMaps):
                  else {"conditioning": self.normalise_conditions(conditioning)})
         return self.denormalise(self.model(self.normalise(x, mask), mask=mask, **extra), mask)
 
+    @property
+    def takes_conditioning(self) -> bool:
+        """Whether the model takes conditioning tokens (a conditioned model declares its
+        own ``streaming_refusal()``; :func:`~flarepp.distributed.streaming_refusal`)."""
+        return getattr(self.model, "takes_conditioning",
+                       hasattr(self.model, "streaming_refusal"))
+
     def streaming_refusal(self) -> str | None:
         """The model's own reason not to stream (:func:`~flarepp.distributed.
         streaming_refusal`), None where it gives none."""

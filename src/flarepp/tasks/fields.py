@@ -67,12 +67,31 @@ def relative_l2(pred_BNO: torch.Tensor, true_BNO: torch.Tensor,
     Computed in float64; a sample with ``||true|| = 0`` gives ``inf`` (or ``nan`` if the
     prediction is exact too): callers report such samples separately.
     """
-    err = (pred_BNO - true_BNO).double().square()
-    ref = true_BNO.double().square()
-    if mask_BN is not None:
-        err = err * mask_BN[..., None]
-        ref = ref * mask_BN[..., None]
-    return (err.sum((1, 2)) / ref.sum((1, 2))).sqrt()
+    err, ref = squared_norms(pred_BNO, true_BNO, mask_BN)
+    return (err / ref).sqrt()
+
+
+NORM_ROWS = 1 << 16
+"""Rows per block of :func:`squared_norms` (its float64 temporaries: 0.5 MiB per channel)."""
+
+
+def squared_norms(pred_BNO: torch.Tensor, true_BNO: torch.Tensor,
+                  mask_BN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample ``(||pred - true||^2, ||true||^2)`` over real points and channels, ``[B]``
+    each, accumulated in float64 over blocks of :data:`NORM_ROWS` rows: a sample of a
+    million rows never has a float64 copy of its fields (evaluation in bounded memory)."""
+    err = true_BNO.new_zeros(true_BNO.shape[0], dtype=torch.float64)
+    ref = torch.zeros_like(err)
+    for start in range(0, true_BNO.shape[1], NORM_ROWS):
+        rows = slice(start, start + NORM_ROWS)
+        diff = (pred_BNO[:, rows] - true_BNO[:, rows]).double().square_()
+        true = true_BNO[:, rows].double().square_()
+        if mask_BN is not None:
+            real = mask_BN[:, rows, None]
+            diff, true = diff * real, true * real
+        err += diff.sum((1, 2))
+        ref += true.sum((1, 2))
+    return err, ref
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,17 +559,11 @@ class FieldTask(Task):
     def eval_records(self, pred: torch.Tensor, batch: Batch) -> dict[str, np.ndarray]:
         """Per sample: relative and absolute L2 errors of the predictions (physical units,
         zero at padding: the predictor's) and the target's norm."""
-        out = pred
-        mask = batch.get("mask")
-        y = batch["y"]
-        ref = y.double().square()
-        err = (out - y).double().square()
-        if mask is not None:
-            ref, err = ref * mask[..., None], err * mask[..., None]
+        err, ref = squared_norms(pred, batch["y"], batch.get("mask"))
         return {"index": batch["index"].cpu().numpy(),
-                "rel_l2": relative_l2(out, y, mask).cpu().numpy(),
-                "ref_norm": ref.sum((1, 2)).sqrt().cpu().numpy(),
-                "abs_l2": err.sum((1, 2)).sqrt().cpu().numpy()}
+                "rel_l2": (err / ref).sqrt().cpu().numpy(),
+                "ref_norm": ref.sqrt().cpu().numpy(),
+                "abs_l2": err.sqrt().cpu().numpy()}
 
     def summarize(self, split: str, records: dict[str, np.ndarray]) -> dict[str, Any]:
         zero = records["ref_norm"] == 0
