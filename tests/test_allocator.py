@@ -60,6 +60,42 @@ def test_policy_keeps_a_large_block_in_the_heap_and_the_switch_turns_it_off():
         assert off["freed"]["mmapped_bytes"] < off["held"]["mmapped_bytes"] - 60 * mib
 
 
+RETURN_PROBE = """
+import json, torch
+from flarepp.allocator import apply_policy, malloc_stats, return_freed_memory
+apply_policy()
+x = torch.empty(64 * 2 ** 20, dtype=torch.uint8).fill_(1)
+del x
+kept = malloc_stats()
+policy = return_freed_memory()
+returned = malloc_stats()
+y = torch.empty(64 * 2 ** 20, dtype=torch.uint8).fill_(1)
+held = malloc_stats()
+print(json.dumps({"retained": policy.retained, "detail": policy.detail, "kept": kept,
+                  "returned": returned, "held": held}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GLIBC, reason="the policy acts on glibc's malloc only")
+def test_a_budgeted_process_returns_the_memory_the_policy_kept():
+    """``return_freed_memory`` (what a run under a memory budget calls): the 64 MiB freed
+    under the retain policy leaves the heap (malloc_trim), and a new 64 MiB block is mmap'd
+    again, as glibc does by default, so a heap held at a training step's high-water mark
+    does not take the evaluation's room under an address-space limit."""
+    env = {k: v for k, v in os.environ.items() if k != allocator.ENV_VAR}
+    done = subprocess.run([sys.executable, "-c", RETURN_PROBE], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not got["retained"] and got["detail"] == allocator.RETURNED
+    if got["kept"] is not None:  # glibc >= 2.33 has mallinfo2
+        mib = 2 ** 20
+        assert got["kept"]["free_bytes"] >= 64 * mib
+        assert got["returned"]["free_bytes"] < 8 * mib
+        assert got["held"]["mmapped_bytes"] >= 64 * mib
+
+
 def test_switch_values_and_errors():
     """Accepted spellings both ways; anything else is an error naming the variable, not a
     silent default."""

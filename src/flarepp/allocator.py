@@ -98,6 +98,33 @@ def retain_freed_memory() -> AllocatorPolicy:
     return AllocatorPolicy(True, f"glibc {version} mallopt {settings}")
 
 
+SYSTEM_SETTINGS = {"M_MMAP_MAX": (M_MMAP_MAX, 65536), "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD,
+                                                                          128 * 1024)}
+"""glibc's defaults (``mallopt(3)``): large blocks mmap'd and unmapped when freed, the free
+top of the heap given back above 128 KiB."""
+
+
+RETURNED = "freed memory returned to the system (glibc's defaults, malloc_trim)"
+
+
+def return_freed_memory() -> AllocatorPolicy:
+    """Undo :func:`retain_freed_memory` in the running process: glibc's defaults again
+    (:data:`SYSTEM_SETTINGS`) and ``malloc_trim(0)``, so that what was freed (a training
+    step's activations, kept at their high-water mark under the retain policy, fragmented
+    among the heap's blocks) goes back to the system. A run under a memory budget calls it
+    (:mod:`flarepp.train.budget`): under an address-space or cgroup limit, a heap held at the
+    training step's high-water mark leaves no room for the evaluation's differently sized
+    blocks. A no-op, with the reason, where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return AllocatorPolicy(False, "not glibc: mallopt unavailable, allocator unchanged")
+    for name, (param, value) in SYSTEM_SETTINGS.items():
+        if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1:
+            return AllocatorPolicy(True, f"glibc refused mallopt({name}, {value})")
+    libc.malloc_trim(ctypes.c_size_t(0))
+    return AllocatorPolicy(False, RETURNED)
+
+
 def apply_policy(environ: Mapping[str, str] = os.environ) -> AllocatorPolicy:
     """:func:`retain_freed_memory` unless ``FLAREPP_RETAIN_MEMORY`` switches it off."""
     if retain_memory_requested(environ):
@@ -177,6 +204,7 @@ def format_bytes(count: int) -> str:
     return f"{count} bytes"
 
 
-__all__ = ["ENV_VAR", "AllocatorPolicy", "OutOfMemory", "apply_policy", "child_environment",
+__all__ = ["ENV_VAR", "RETURNED", "AllocatorPolicy", "OutOfMemory", "apply_policy",
+           "child_environment", "return_freed_memory",
            "format_bytes", "is_allocation_failure", "malloc_stats", "requested_bytes",
            "retain_freed_memory", "retain_memory_requested"]

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flarepp.allocator import format_bytes
+from flarepp.allocator import RETURNED, format_bytes, return_freed_memory
 from flarepp.data.store import MANIFEST, MeshStore
 from flarepp.device import HOST, memory_bounds
 from flarepp.distributed.streaming import hidden_state_bytes, streaming_refusal
@@ -351,6 +351,15 @@ class MemoryPlan:
         return (f"the memory budget of {format_bytes(self.budget)} ({self.source}) is too "
                 f"small for {what}: the estimate is {format_bytes(total)} with {beside}; "
                 f"raise --memory-budget (memory_budget_gib) or lower {' or '.join(bounds)}")
+
+    def return_freed_memory(self) -> None:
+        """Under a budget the process gives freed memory back to the system
+        (:func:`flarepp.allocator.return_freed_memory`: the allocator's reuse of a training
+        step's blocks, which holds the heap at its high-water mark, is worth less than the
+        room the evaluation needs); said in the plan's notes where it changed anything."""
+        policy = return_freed_memory()
+        if policy.detail == RETURNED:
+            self.notes.append("freed memory returned to the system")
 
     def line(self, config: RunConfig) -> str:
         """The console line: the budget, the estimated peak, every size and its origin."""

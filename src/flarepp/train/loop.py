@@ -205,6 +205,7 @@ class Trainer:
                              f"{str(self.out_dir)!r} is resumed from its own checkpoint")
         self.memory = MemoryPlan.discover(c, data_root or c.data_root)
         if self.memory is not None:  # points_per_step is the data's: chosen before it is read
+            self.memory.return_freed_memory()
             stored = None if found is None else RunConfig.from_stored(found.state["config"])
             self.config = c = self.memory.plan_training(c, stored,
                                                         choose=task is None and splits is None)
