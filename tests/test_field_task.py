@@ -160,3 +160,4 @@ def test_evaluation_norms_are_summed_in_blocks_of_rows(monkeypatch):
     torch.testing.assert_close(ref, want_ref, rtol=1e-14, atol=0)
     torch.testing.assert_close(fields.relative_l2(pred, true, mask),
                                (want_err / want_ref).sqrt(), rtol=1e-14, atol=0)
+

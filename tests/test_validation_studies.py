@@ -132,6 +132,17 @@ def test_constant_predictor_is_the_best_fixed_prediction():
     assert got <= rel([y[m][:, 0].mean()] * 4)
 
 
+def test_the_constant_baseline_is_left_out_of_a_training_split_too_large(monkeypatch):
+    """Above BASELINE_MAX_ROWS training rows the baseline (two passes over the whole split,
+    float64 accumulators as wide as its widest sample) is left out of the metrics: the 8 GB
+    store's end-of-run evaluation ran out of a 3 GiB address space in it."""
+    from flarepp.tasks import fields
+    task = FieldTask(config(), "unused", splits=splits(n_train=5, n_points=4, seed=3))
+    assert "train_constant_rel_l2" in task.baseline_metrics()
+    monkeypatch.setattr(fields, "BASELINE_MAX_ROWS", 19)
+    assert task.baseline_metrics() == {}
+
+
 # -- the report plug-ins on hand-made rows -----------------------------------------------------
 
 def row(mixer, seed, draw, val, test, *, lr="1e-3", status="done", train=0.05,
