@@ -200,6 +200,7 @@ def test_a_new_mesh_refusals_are_sentences(store_run, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_new_mesh_probe_of_issue_41(store_run, tmp_path, capsys):
     """`--write-mesh` into the folder of the meshes replaced case_0000.vtu, the user's
     source, by the prediction; a 300-byte VTU declaring 2e9 points aborted the process in
