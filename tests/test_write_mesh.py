@@ -493,7 +493,10 @@ def test_a_volume_mesh_is_pictured_as_its_cut_away_surface(tmp_path, association
     from flarepp.bench.data import cell_type_mesh
     from flarepp import plots3d
     if plots3d.vtk_window_class() is None:
-        pytest.skip("VTK cannot render off-screen on this machine (EGL/OSMesa missing)")
+        pytest.skip("VTK cannot render off-screen here (no EGL or OSMesa library for the "
+                    "vtk wheel); such a machine draws the points instead, which test_surface_"
+                    "flow.py::test_backend_choice_falls_back_to_matplotlib_with_a_warning "
+                    "checks")
     mesh = cell_type_mesh("hexahedron", 4000)
     where = np.asarray(mesh.points if association == "point" else mesh.cell_centers().points)
     true = (where[:, 0] - where[:, 1])[:, None]

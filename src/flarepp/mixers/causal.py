@@ -125,7 +125,9 @@ class _CausalLatentMixer(_CausalMixer):
 
     def _parallel(self, x: torch.Tensor, mask: torch.Tensor | None
                   ) -> tuple[torch.Tensor, CausalFLAREState]:
-        raise NotImplementedError
+        """The parallel form of the subclass (causal FLARE, causal FLARE++), abstract here."""
+        raise NotImplementedError(f"{type(self).__name__} derives from _CausalLatentMixer "
+                                  "but defines no _parallel (its parallel form)")
 
     def _checked_parallel(self, x: torch.Tensor, mask: torch.Tensor | None
                           ) -> tuple[torch.Tensor, CausalFLAREState]:
